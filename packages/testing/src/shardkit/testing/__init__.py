@@ -1,5 +1,27 @@
-"""shardkit.testing: pytest plugin: run a test body on N ranks (Gloo/NCCL) with timeouts, per-rank stacks and reused worlds."""
+"""shardkit.testing: run pytest test bodies on N ranks over Gloo or NCCL.
+
+Example:
+    >>> import torch, torch.distributed as dist
+    >>> from shardkit.testing import world
+    >>> @world(2)
+    ... def test_allreduce():
+    ...     t = torch.ones(1) * dist.get_rank()
+    ...     dist.all_reduce(t)
+    ...     assert t.item() == 1.0
+"""
 
 from shardkit.testing.__about__ import __version__
+from shardkit.testing._config import DEFAULT_TIMEOUT_S, MAX_WORLD_SIZE, WorldSpec
+from shardkit.testing._decorator import free_port, world
+from shardkit.testing._world import WorldStartError, pool
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MAX_WORLD_SIZE",
+    "WorldSpec",
+    "WorldStartError",
+    "__version__",
+    "free_port",
+    "pool",
+    "world",
+]
