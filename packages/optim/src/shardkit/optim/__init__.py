@@ -1,5 +1,16 @@
 """shardkit.optim: ZeRO-1 sharded optimizer wrapping any torch optimizer, with state consolidation and sharded checkpoints."""
 
 from shardkit.optim.__about__ import __version__
+from shardkit.optim._checkpoint import load_consolidated, load_sharded, save_sharded
+from shardkit.optim._grad_scaler import ShardedGradScaler
+from shardkit.optim._sharded_optimizer import OSS, ShardedOptimizer
 
-__all__ = ["__version__"]
+__all__ = [
+    "OSS",
+    "ShardedGradScaler",
+    "ShardedOptimizer",
+    "__version__",
+    "load_consolidated",
+    "load_sharded",
+    "save_sharded",
+]

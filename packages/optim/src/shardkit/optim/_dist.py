@@ -1,0 +1,69 @@
+"""Process-group helpers: rank translation, communication device, cross-rank agreement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+
+# [Note: Rank numbering]
+# Everything the optimizer stores (``rank``, partition owners, ``recipient_rank``) is a rank
+# *within the optimizer's group*. torch's collectives take global ranks for ``src``/``dst``, so
+# every call site translates with ``_global_rank`` right before the collective and nowhere else.
+# With the default group both numberings coincide, which is why a missing translation only shows
+# up with sub groups (tested with a group of ranks {1, 2} out of a world of 3).
+
+
+def _resolve_group(group: Any) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shardkit.optim needs torch.distributed to be initialised: call "
+            "torch.distributed.init_process_group(...) before building a ShardedOptimizer "
+            "(for a single process use world_size=1)."
+        )
+    if group is None:
+        default = dist.group.WORLD
+        if not isinstance(default, dist.ProcessGroup):
+            raise RuntimeError("the default process group is not initialised")
+        return default
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__}: {group!r}"
+        )
+    return group
+
+
+def _global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    """Translates a rank of ``group`` into the global numbering. See [Note: Rank numbering]."""
+    return dist.get_global_rank(group, group_rank)
+
+
+def _comm_device(group: dist.ProcessGroup) -> torch.device:
+    """The device on which this group's collectives expect their tensors."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(value: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
+    """All-gathers a small picklable ``value`` and raises on every rank if the ranks disagree.
+
+    This is the agreement step that precedes any collective some ranks might otherwise skip or
+    size differently, so a mismatch raises everywhere instead of deadlocking.
+    """
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value, group=group)
+    if any(v != gathered[0] for v in gathered):
+        detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(gathered))
+        raise ValueError(
+            f"ranks disagree on {what}: {detail}. Every rank of the optimizer's group must make "
+            f"the same call with the same arguments."
+        )
+    return gathered

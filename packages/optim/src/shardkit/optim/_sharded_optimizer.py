@@ -1,0 +1,425 @@
+"""``ShardedOptimizer`` (alias ``OSS``): ZeRO-1 optimizer state sharding around any torch optimizer.
+
+Entry points for shardkit-overlap (which drives the optimizer per DDP bucket from comm hooks):
+
+- ``opt._step_local(params=None, closure=None, **kwargs)`` runs the local optimizer on this
+  rank's shard, restricted to ``params`` when given (params owned by other ranks are ignored),
+  after pushing the wrapper's hyperparameters down and before pulling them back up.
+- ``opt._sync_params(params=None, async_op=False)`` broadcasts the owners' values of ``params``
+  (all when ``None``) using the flat buckets; with ``async_op`` it returns the pending works.
+- ``opt.param_to_rank`` / ``opt.owned_params`` tell which rank owns what.
+
+``step()`` is exactly ``_step_local()`` followed by ``_sync_params()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shardkit.optim._clip import _clip_grad_norm
+from shardkit.optim._consolidate import _consolidate
+from shardkit.optim._dist import _agree, _resolve_group
+from shardkit.optim._layout import _build_layout, _check_algorithm, _Layout
+from shardkit.optim._state import (
+    _hyperparams,
+    _local_groups,
+    _local_load_dict,
+    _owned_state,
+    _validate_plain_state_dict,
+)
+from shardkit.optim._sync import _ParamSync
+from shardkit.partition import check_consistent
+from torch.optim import Optimizer
+
+__all__ = ["OSS", "ShardedOptimizer"]
+
+
+class ShardedOptimizer(Optimizer):
+    """Shards the state of any ``torch.optim.Optimizer`` over the ranks of a process group (ZeRO-1).
+
+    Each rank keeps the optimizer state of only the params it owns and runs the wrapped
+    optimizer (``self.optim``) on them; after the local step every rank receives the updated
+    params from their owners with one broadcast per (device, dtype, owner) flat bucket. It is a
+    drop-in replacement for ``fairscale.optim.OSS``. All methods documented as collective must be
+    called by every rank of ``group``.
+
+    Args:
+        params: params or param-group dicts, as for any torch optimizer.
+        optim: the torch optimizer class to shard (not an instance).
+        group: the process group to shard over (default: the default group).
+        broadcast_fp16: send the updated params as fp16 (owners keep their exact values).
+        partition_algorithm: ``"greedy"``, ``"sorted_greedy"`` or ``"balanced"``
+            (shardkit-partition).
+        **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
+
+    Raises:
+        TypeError: ``optim`` is not an Optimizer subclass, or ``group`` is not a ProcessGroup.
+        ValueError: ranks disagree on the params (fingerprint check), this process is not in
+            ``group``, or an unknown partition algorithm.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optim: type[Optimizer] = torch.optim.SGD,
+        group: dist.ProcessGroup | None = None,
+        broadcast_fp16: bool = False,
+        *,
+        partition_algorithm: str = "sorted_greedy",
+        **defaults: Any,
+    ) -> None:
+        if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
+            raise TypeError(
+                f"optim must be a torch.optim.Optimizer subclass (the class, e.g. "
+                f"torch.optim.Adam), got {type(optim).__name__}: {optim!r}. Pass the class and "
+                f"its arguments as keywords: ShardedOptimizer(params, torch.optim.Adam, lr=1e-3)."
+            )
+        if issubclass(optim, ShardedOptimizer):
+            raise TypeError("optim cannot itself be a ShardedOptimizer: pass the inner class")
+        if not isinstance(broadcast_fp16, bool):
+            raise TypeError(f"broadcast_fp16 must be a bool, got {broadcast_fp16!r}")
+        self.group: dist.ProcessGroup = _resolve_group(group)
+        self.rank: int = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError(
+                "this process is not a member of the given group: build the ShardedOptimizer "
+                "only on the ranks of its group"
+            )
+        self.world_size: int = dist.get_world_size(self.group)
+        self.global_rank: int = dist.get_rank()
+        self.broadcast_fp16 = broadcast_fp16
+        self._algorithm = _check_algorithm(partition_algorithm)
+        self._optim_cls = optim
+        self._optim_defaults = dict(defaults)
+        self._initialized = False
+        self._state_version = 0
+        self._consolidated: tuple[int, dict[str, Any]] | None = None
+        super().__init__(params, defaults)
+        self.optim: Optimizer
+        self._layout: _Layout
+        self._sync: _ParamSync
+        self._rebuild(migrate=False)
+        self._initialized = True
+
+    # ------------------------------------------------------------------ layout
+    def _rebuild(self, migrate: bool) -> None:
+        """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        mask = bytes(int(p.requires_grad) for p in params)
+        _agree(
+            (
+                self._algorithm,
+                self.broadcast_fp16,
+                self._optim_cls.__name__,
+                [len(g["params"]) for g in self.param_groups],
+                hashlib.sha1(mask).hexdigest(),
+            ),
+            self.group,
+            "(partition_algorithm, broadcast_fp16, optim class, param group sizes, "
+            "requires_grad mask hash)",
+        )
+        check_consistent(params, group=self.group)
+        moved: dict[int, dict[str, Any]] = {}
+        old_owned: dict[int, dict[str, Any]] = {}
+        if migrate:
+            old = self._layout
+            full = _consolidate(
+                _owned_state(self.optim.state, old, self.rank), self.group, self.rank, -1, set()
+            )
+            moved = {id(old.params[i]): st for i, st in (full or {}).items()}
+            old_owned = {id(p): dict(st) for p, st in self.optim.state.items() if st}
+            self._sync.release(keep=())
+        layout = _build_layout(self.param_groups, self.world_size, self._algorithm)
+        local = _local_groups(layout, self.rank, len(self.param_groups))
+        groups = [{**_hyperparams(g), "params": ps} for g, ps in zip(self.param_groups, local, strict=True)]
+        self.optim = self._optim_cls(groups, **self._optim_defaults)
+        self._layout = layout
+        if migrate:
+            entries: dict[int, dict[str, Any]] = {}
+            j = 0
+            for ps in local:
+                for p in ps:
+                    st = old_owned.get(id(p)) or moved.get(id(p))
+                    if st:
+                        entries[j] = st
+                    j += 1
+            self.optim.load_state_dict(
+                {"state": entries, "param_groups": _index_groups(self.optim.param_groups)}
+            )
+        # The local optimizer filled in its defaults: make them visible on the wrapper.
+        self._pull_hyperparams()
+        self.state = self.optim.state
+        self._sync = _ParamSync(layout, self.group, self.rank, self.broadcast_fp16)
+        self._state_version += 1
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group; after construction this repartitions (collective)."""
+        super().add_param_group(param_group)
+        if self._initialized:
+            self._rebuild(migrate=True)
+
+    def refresh_trainable(self) -> None:
+        """Repartitions after params were frozen or unfrozen, moving their state. Collective.
+
+        The state of every param is all-gathered once to move it to its new owner: this is meant
+        for occasional changes, not every step.
+        """
+        self._rebuild(migrate=True)
+
+    def partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """Per rank, the param groups it steps (fairscale's format)."""
+        return [
+            [
+                {**_hyperparams(g), "params": ps}
+                for g, ps in zip(
+                    self.param_groups,
+                    _local_groups(self._layout, r, len(self.param_groups)),
+                    strict=True,
+                )
+            ]
+            for r in range(self.world_size)
+        ]
+
+    @property
+    def param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Owner (group rank) of every param."""
+        return dict(zip(self._layout.params, self._layout.owner, strict=True))
+
+    @property
+    def owned_params(self) -> list[torch.Tensor]:
+        """The params whose state this rank holds and which it steps."""
+        return [self._layout.params[i] for i in self._layout.owned(self.rank)]
+
+    # ------------------------------------------------------------------ step
+    def _push_hyperparams(self) -> None:
+        for wg, lg in zip(self.param_groups, self.optim.param_groups, strict=True):
+            for k, v in wg.items():
+                if k != "params":
+                    lg[k] = v
+
+    def _pull_hyperparams(self) -> None:
+        for wg, lg in zip(self.param_groups, self.optim.param_groups, strict=True):
+            for k, v in lg.items():
+                if k != "params":
+                    wg[k] = v
+
+    def _check_before_step(self) -> None:
+        changed = False
+        for i, p in enumerate(self._layout.params):
+            if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
+                raise TypeError(
+                    f"param {i} (shape {tuple(p.shape)}) has a sparse gradient "
+                    f"({p.grad.layout}); ShardedOptimizer supports dense gradients only. Use "
+                    f"nn.Embedding(sparse=False) or keep these params in an unsharded optimizer."
+                )
+            changed |= p.requires_grad != self._layout.trainable[i]
+        if changed:
+            warnings.warn(
+                "requires_grad changed on some params since the last partition: repartitioning "
+                "now (call refresh_trainable() yourself after freezing/unfreezing to avoid this "
+                "warning).",
+                stacklevel=3,
+            )
+            self.refresh_trainable()
+
+    def _step_local(
+        self,
+        params: Iterable[torch.Tensor] | None = None,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Steps this rank's shard only (optionally only ``params``). No communication."""
+        self._push_hyperparams()
+        saved: list[list[torch.Tensor]] | None = None
+        if params is not None:
+            wanted = {id(p) for p in params}
+            saved = [g["params"] for g in self.optim.param_groups]
+            for g in self.optim.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in wanted]
+        try:
+            loss = self.optim.step(closure, **kwargs) if closure is not None or kwargs else (
+                self.optim.step()
+            )
+        finally:
+            if saved is not None:
+                for g, ps in zip(self.optim.param_groups, saved, strict=True):
+                    g["params"] = ps
+        self._pull_hyperparams()
+        self._state_version += 1
+        return loss
+
+    def _sync_params(
+        self, params: Iterable[torch.Tensor] | None = None, async_op: bool = False
+    ) -> list[dist.Work]:
+        """Broadcasts owners' values of ``params`` (all if ``None``). Collective."""
+        return self._sync.sync(params, async_op=async_op)
+
+    def step(
+        self, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Steps this rank's shard, then syncs every param from its owner. Collective.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called once on every rank).
+            **kwargs: extra arguments forwarded to the wrapped optimizer's ``step``.
+        """
+        self._check_before_step()
+        loss = self._step_local(None, closure, **kwargs)
+        self._sync_params()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of every param (owned or not) on this rank."""
+        super().zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        filter_params_fn: Callable[[Any], Any] | None = None,
+    ) -> torch.Tensor:
+        """Clips gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``. Collective.
+
+        Each rank computes the norm of its owned params' gradients in fp32; the partial norms are
+        reduced over the optimizer's group (MAX for ``inf``). Every local gradient is scaled.
+
+        Args:
+            max_norm: maximum norm.
+            norm_type: p of the p-norm, ``float("inf")`` for the max norm.
+            filter_params_fn: maps the list of params to the ones to consider (e.g. to skip
+                params already clipped elsewhere).
+
+        Returns:
+            The total norm before clipping (fp32 scalar tensor).
+        """
+        params = [p for p in self._layout.params if p.requires_grad]
+        if filter_params_fn is not None:
+            params = list(filter_params_fn(params))
+        owned = {id(p) for p in self.owned_params}
+        return _clip_grad_norm(
+            [p for p in params if id(p) in owned], params, max_norm, norm_type, self.group
+        )
+
+    # ------------------------------------------------------------------ state
+    def _global_param_groups(self) -> list[dict[str, Any]]:
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**copy.deepcopy(_hyperparams(g)), "params": list(range(start, start + n))})
+            start += n
+        return groups
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}`` (live)."""
+        return {
+            "state": _owned_state(self.optim.state, self._layout, self.rank),
+            "param_groups": self._global_param_groups(),
+        }
+
+    def consolidate_state_dict(
+        self,
+        recipient_rank: int = 0,
+        skip: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        """Gathers the full state on ``recipient_rank`` (-1: every rank). Collective.
+
+        See [Note: Tensor consolidation] for what moves where.
+
+        Args:
+            recipient_rank: rank in the optimizer's group, or -1 for all ranks.
+            skip: params for which ``skip(param)`` is true keep their state on their owner; the
+                consolidated dict has their entries with ``meta`` tensors of the right shapes
+                (save those with :meth:`local_state_dict` on each owner instead).
+        """
+        if (
+            isinstance(recipient_rank, bool)
+            or not isinstance(recipient_rank, int)
+            or not -1 <= recipient_rank < self.world_size
+        ):
+            raise ValueError(
+                f"recipient_rank must be an int in [-1, {self.world_size}) (a rank of the "
+                f"optimizer's group of size {self.world_size}, or -1 for every rank), got "
+                f"{type(recipient_rank).__name__}: {recipient_rank!r}"
+            )
+        skipped = set()
+        if skip is not None:
+            skipped = {i for i in self._layout.owned(self.rank) if skip(self._layout.params[i])}
+        full = _consolidate(
+            _owned_state(self.optim.state, self._layout, self.rank),
+            self.group,
+            self.rank,
+            recipient_rank,
+            skipped,
+        )
+        if full is None:
+            self._consolidated = None
+        else:
+            self._consolidated = (
+                self._state_version,
+                {"state": full, "param_groups": self._global_param_groups()},
+            )
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """The consolidated state in plain torch format (loads into ``optim`` unsharded).
+
+        Args:
+            all_ranks: consolidate on every rank first (collective) and return it everywhere.
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank, or the optimizer
+                stepped/loaded since.
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the optimizer state has not been consolidated on this rank. "
+                f"Call optimizer.consolidate_state_dict(recipient_rank={self.rank}) on every "
+                f"rank first (or state_dict(all_ranks=True) on every rank)."
+            )
+        version, sd = self._consolidated
+        if version != self._state_version:
+            raise RuntimeError(
+                "the optimizer stepped or loaded state since consolidate_state_dict(): the "
+                "consolidated state is stale. Call consolidate_state_dict() again on every rank."
+            )
+        return {
+            "state": {i: dict(st) for i, st in sd["state"].items()},
+            "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a plain torch optimizer state dict (from any world size); keeps only this shard.
+
+        The caller's dict is not modified nor aliased. ``meta`` placeholder entries (params
+        skipped at consolidation) leave the current state of those params untouched.
+        """
+        _validate_plain_state_dict(state_dict, self.param_groups)
+        local = _local_load_dict(
+            state_dict, self._layout, self.rank, len(self.param_groups), self.optim.state
+        )
+        self.optim.load_state_dict(local)
+        for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            wg.update(copy.deepcopy(_hyperparams(sg)))
+        self._push_hyperparams()
+        self._state_version += 1
+
+
+def _index_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    j = 0
+    for g in groups:
+        n = len(g["params"])
+        out.append({**_hyperparams(g), "params": list(range(j, j + n))})
+        j += n
+    return out
+
+
+OSS = ShardedOptimizer

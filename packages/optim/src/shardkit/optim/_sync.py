@@ -1,0 +1,141 @@
+"""Parameter synchronisation after the local step: one broadcast per (device, dtype, owner) bucket.
+
+Entry point for shardkit-overlap: ``_ParamSync.sync(params=None, async_op=False)`` broadcasts
+either everything or only the buckets (and, inside them, the smallest contiguous span) holding
+the given params, so a comm hook can sync one DDP bucket's worth of parameters at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from shardkit.buckets import ParamBucket
+from shardkit.optim._dist import _global_rank
+from shardkit.optim._layout import _Layout
+
+__all__: list[str] = []
+
+
+# [Note: Flat param buckets]
+# At (re)partition time every trainable parameter is moved into the flat buffer of a
+# ``shardkit.buckets.ParamBucket`` keyed by (device, dtype, owner): ``add_param`` copies its value
+# in and makes ``p.data`` a view of the buffer. The owner's local optimizer updates the params
+# in place, i.e. it writes straight into the buffer, and the sync is then a single broadcast of
+# the buffer from the owner per key, instead of one per parameter. The parameters stay the same
+# ``Parameter`` objects (DDP hooks, user references keep working). Frozen parameters are not in any
+# bucket (nothing changes them); when a layout is rebuilt, parameters leaving a bucket get a
+# private copy so the old flat buffer can be freed.
+
+
+@dataclass
+class _Bucket:
+    owner: int
+    bucket: ParamBucket
+    # id(param) -> (offset, numel) inside ``bucket.buffer``
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+class _ParamSync:
+    """Owns the flat buckets of one layout and broadcasts them from their owners."""
+
+    def __init__(
+        self, layout: _Layout, group: dist.ProcessGroup, rank: int, broadcast_fp16: bool
+    ) -> None:
+        self._group = group
+        self._rank = rank
+        self._broadcast_fp16 = broadcast_fp16
+        self._world_size = dist.get_world_size(group)
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        if self._world_size == 1:
+            return
+        keyed: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+        for i, p in enumerate(layout.params):
+            if not layout.trainable[i]:
+                continue
+            key = (str(p.device), str(p.dtype), layout.owner[i])
+            keyed.setdefault(key, []).append(p)
+        for key in sorted(keyed, key=lambda k: (k[0], k[1], k[2])):
+            params = keyed[key]
+            size = sum(p.numel() for p in params)
+            pb = ParamBucket(size, params[0].dtype, params[0].device)
+            entry = _Bucket(owner=key[2], bucket=pb)
+            offset = 0
+            for p in params:
+                pb.add_param(p)
+                entry.spans[id(p)] = (offset, p.numel())
+                entry.params.append(p)
+                self._bucket_of[id(p)] = entry
+                offset += p.numel()
+            self.buckets.append(entry)
+
+    def release(self, keep: Iterable[torch.Tensor]) -> None:
+        """Gives params that are not in ``keep`` their own storage, freeing the flat buffers."""
+        kept = {id(p) for p in keep}
+        for entry in self.buckets:
+            for p in entry.params:
+                if id(p) not in kept:
+                    p.data = p.data.clone()
+        self.buckets = []
+        self._bucket_of = {}
+
+    def sync(
+        self, params: Iterable[torch.Tensor] | None = None, async_op: bool = False
+    ) -> list[dist.Work]:
+        """Broadcasts the owners' values. See [Note: Flat param buckets].
+
+        Args:
+            params: only the buckets holding these params (the contiguous span covering them).
+                ``None`` syncs everything. Every rank must pass the same params.
+            async_op: return the pending works instead of waiting (fp16 broadcasts always
+                complete before returning, since the received values must be copied back).
+        """
+        if self._world_size == 1:
+            return []
+        spans: list[tuple[_Bucket, int, int]] = []
+        if params is None:
+            spans = [(b, 0, b.bucket.buffer.numel()) for b in self.buckets]
+        else:
+            lo_hi: dict[int, tuple[_Bucket, int, int]] = {}
+            for p in params:
+                entry = self._bucket_of.get(id(p))
+                if entry is None:
+                    continue
+                off, n = entry.spans[id(p)]
+                cur = lo_hi.get(id(entry))
+                lo, hi = (off, off + n) if cur is None else (min(cur[1], off), max(cur[2], off + n))
+                lo_hi[id(entry)] = (entry, lo, hi)
+            spans = [lo_hi[k] for k in sorted(lo_hi, key=lambda k: self.buckets.index(lo_hi[k][0]))]
+        works: list[dist.Work] = []
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for entry, lo, hi in spans:
+            view = entry.bucket.buffer[lo:hi]
+            src = _global_rank(self._group, entry.owner)
+            if self._broadcast_fp16 and view.dtype in (torch.float32, torch.float64):
+                # The owner sends a rounded copy but keeps its exact values; receivers copy the
+                # rounded values into their full-precision buffer.
+                wire = view.to(torch.float16)
+                work = dist.broadcast(wire, src=src, group=self._group, async_op=True)
+                if entry.owner != self._rank:
+                    pending.append((view, wire))
+                works.append(_checked(work))
+                continue
+            works.append(_checked(dist.broadcast(view, src=src, group=self._group, async_op=True)))
+        if pending or not async_op:
+            for w in works:
+                w.wait()
+            for view, wire in pending:
+                view.copy_(wire)
+            return []
+        return works
+
+
+def _checked(work: dist.Work | None) -> dist.Work:
+    if work is None:
+        raise RuntimeError("an async broadcast returned no work handle")
+    return work
+

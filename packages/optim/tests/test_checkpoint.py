@@ -1,0 +1,155 @@
+"""Sharded DCP checkpoints: resharding N -> M, crash safety, and the offline CLI.
+
+Tests in this module run in order: the save tests write the checkpoints that the load tests
+(at other world sizes) and the CLI test read. Every rank trains on the same full batch, so a
+resumed run must match an uninterrupted single-process run bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedOptimizer, load_consolidated, load_sharded, save_sharded
+from shardkit.testing import world
+from torch import nn
+
+_K, _J = 3, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    ps = list(model.parameters())
+    return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.02}]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("optim_ckpt")
+
+
+def _save(root: Path, name: str) -> None:
+    model = _model()
+    opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
+    _train(model, opt, _K)
+    save_sharded(opt, root / name)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), root / f"{name}.model.pt")
+    dist.barrier()
+    files = os.listdir(root / name)
+    assert "SHARDKIT_COMMIT" in files and ".metadata" in files
+    assert not [f for f in os.listdir(root) if ".tmp-" in f]
+
+
+def _resume_and_compare(root: Path, name: str) -> None:
+    ref_model = _model()
+    ref = torch.optim.Adam(_groups(ref_model), lr=0.01)
+    _train(ref_model, ref, _K + _J)
+    model = _model()
+    model.load_state_dict(torch.load(root / f"{name}.model.pt"))
+    opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
+    load_sharded(opt, root / name)
+    assert opt.param_groups[1]["lr"] == 0.02
+    _train(model, opt, _J, start=_K)
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@world(2)
+def test_save_world2(ckpt_root: Path) -> None:
+    _save(ckpt_root, "w2")
+
+
+@world(4)
+def test_save_world4(ckpt_root: Path) -> None:
+    _save(ckpt_root, "w4")
+
+
+@world(3)
+def test_load_2_to_3(ckpt_root: Path) -> None:
+    _resume_and_compare(ckpt_root, "w2")
+
+
+@world(1)
+def test_load_2_to_1(ckpt_root: Path) -> None:
+    _resume_and_compare(ckpt_root, "w2")
+
+
+@world(2)
+def test_load_4_to_2(ckpt_root: Path) -> None:
+    _resume_and_compare(ckpt_root, "w4")
+
+
+@world(2)
+def test_interrupted_save_never_loads(ckpt_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardkit.optim._checkpoint as ck
+
+    model = _model()
+    opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
+    _train(model, opt, 1)
+
+    def crash(*args: Any) -> None:
+        raise OSError("simulated crash before commit")
+
+    monkeypatch.setattr(ck, "_commit", crash)
+    target = ckpt_root / f"crash{dist.get_world_size()}"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        save_sharded(opt, target)
+    dist.barrier()
+    assert not target.exists()
+    tmp = [ckpt_root / f for f in os.listdir(ckpt_root) if f.startswith(f".{target.name}.tmp-")]
+    assert len(tmp) == 1 and (tmp[0] / ".metadata").exists()  # DCP finished, commit did not
+    with pytest.raises(FileNotFoundError, match="SHARDKIT_COMMIT"):
+        load_sharded(opt, tmp[0])
+    # a failed save over an existing checkpoint leaves the old one loadable
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        save_sharded(opt, ckpt_root / "w2")
+    _resume_and_compare(ckpt_root, "w2")
+
+
+def test_cli_consolidate(ckpt_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "shardkit.optim", "consolidate", str(ckpt_root / "w4"), str(out)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    sd = torch.load(out)
+    # equals the state of an uninterrupted plain run after _K steps
+    ref_model = _model()
+    ref = torch.optim.Adam(_groups(ref_model), lr=0.01)
+    _train(ref_model, ref, _K)
+    refsd = copy.deepcopy(ref.state_dict())
+    assert sd["param_groups"] == refsd["param_groups"]
+    for i, st in refsd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+    # it loads into the plain optimizer
+    torch.optim.Adam(_groups(_model()), lr=0.01).load_state_dict(sd)
+    assert load_consolidated(ckpt_root / "w4")["state"].keys() == sd["state"].keys()
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardkit.optim", "consolidate", str(tmp_path), str(out)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert bad.returncode == 2 and "SHARDKIT_COMMIT" in bad.stderr
