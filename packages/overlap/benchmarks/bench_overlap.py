@@ -1,0 +1,124 @@
+"""Step time: plain DDP + Adam, ShardedOptimizer without hooks, and the two overlap hooks.
+
+Gloo, world 2, 8 x (Linear(2048, 2048) + GELU), batch 32, Adam (the shardkit-optim benchmark's
+model). Each variant runs in its own pair of spawned processes, one after the other in the same
+run; the figure is the median step (zero_grad + forward + backward + step) after one warm-up
+step. Run with
+``python3 -m pytest -o python_files='bench_*.py' packages/overlap/benchmarks -q -s``.
+Set ``SHARDKIT_BENCH_STEPS`` (default 8) and ``SHARDKIT_BENCH_WIDTH`` (default 2048). With two
+or more CUDA GPUs the same variants also run on NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+_VARIANTS = ["ddp_adam", "sharded_no_hook", "hook_with_zero_step", "hook_interleaved"]
+
+
+def _worker(
+    rank: int, variant: str, backend: str, port: int, out: str, steps: int, width: int
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*layers).to(device)
+    ddp = DDP(model)
+    overlap: Any = None
+    if variant == "ddp_adam":
+        opt: Any = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        from shardkit.optim import ShardedOptimizer
+
+        opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4)
+        if variant != "sharded_no_hook":
+            from shardkit.overlap import register_zero_overlap
+
+            overlap = register_zero_overlap(
+                ddp, opt, interleaved=variant == "hook_interleaved", shard_buckets=True
+            )
+    x = torch.randn(32, width, device=device)
+    times = []
+    for s in range(steps + 1):
+        dist.barrier()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        if overlap is None:
+            opt.step()
+        else:
+            overlap.step()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        if s > 0:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_s": statistics.median(times)}, f)
+    if overlap is not None:
+        overlap.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(variant: str, backend: str, steps: int, width: int) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        mp.spawn(_worker, args=(variant, backend, port, out, steps, width), nprocs=2, join=True)
+        with open(out) as f:
+            return float(json.load(f)["step_s"])
+
+
+def _bench(benchmark: Any, backend: str) -> None:
+    steps = int(os.environ.get("SHARDKIT_BENCH_STEPS", "8"))
+    width = int(os.environ.get("SHARDKIT_BENCH_WIDTH", "2048"))
+    results: dict[str, float] = {}
+
+    def run_all() -> None:
+        for v in _VARIANTS:
+            results[v] = _run(v, backend, steps, width)
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    base = results["ddp_adam"]
+    ratios = {v: results[v] / base for v in _VARIANTS}
+    ratios["best_hook"] = min(ratios["hook_with_zero_step"], ratios["hook_interleaved"])
+    benchmark.extra_info.update({"backend": backend, "step_s": results, "ratio_vs_ddp": ratios})
+    print(f"\n{backend}: {'variant':<22}{'step ms':>10}{'x DDP+Adam':>12}")
+    for v in _VARIANTS:
+        print(f"{'':<{len(backend) + 2}}{v:<22}{results[v] * 1e3:>10.1f}{ratios[v]:>12.3f}")
+    print(f"best hook / DDP+Adam: {ratios['best_hook']:.3f}")
+
+
+def test_bench_gloo(benchmark: Any) -> None:
+    _bench(benchmark, "gloo")
+
+
+def test_bench_nccl(benchmark: Any) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs for NCCL world 2")
+    _bench(benchmark, "nccl")

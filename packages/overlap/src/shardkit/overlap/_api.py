@@ -1,0 +1,112 @@
+"""The public entry points: torch ``ddp_zero_hook``-compatible builders and a one-call helper."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardkit.optim import ShardedOptimizer
+from shardkit.overlap._config import OverlapConfig
+from shardkit.overlap._overlap import CommHook, ZeroOverlap
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved", "register_zero_overlap"]
+
+
+def hook_with_zero_step(
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    zero: ShardedOptimizer,
+    shard_buckets: bool = False,
+) -> ZeroOverlap:
+    """Wraps ``hook`` so that the sharded step runs once the last bucket's reduction is launched.
+
+    At the last bucket, for every bucket in order: wait for its reduction (only on ranks owning
+    some of its params), step the owned params, broadcast the bucket's params from their owners;
+    the steps overlap the reductions still in flight and the broadcasts already issued. Prefer
+    it when communication is slow relative to computation. Collective: call it on every rank,
+    then ``ddp.register_comm_hook(state, returned_hook)``.
+
+    Args:
+        hook: the DDP comm hook doing the reduction (``allreduce_hook``, ``fp16_compress_hook``,
+            ``bf16_compress_hook``, ... or your own ``(state, bucket) -> Future``).
+        ddp: the model; its trainable params must be exactly ``zero``'s.
+        zero: the sharded optimizer, over the same ranks as ``ddp.process_group``.
+        shard_buckets: split each DDP bucket across ranks at param boundaries (balance), or
+            give whole buckets to ranks (fewer ranks wait per bucket).
+
+    Returns:
+        The hook (a :class:`ZeroOverlap`), also the handle of the training loop.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: see :func:`register_zero_overlap`.
+    """
+    return ZeroOverlap(hook, ddp, zero, OverlapConfig(interleaved=False, shard_buckets=shard_buckets))
+
+
+def hook_with_zero_step_interleaved(
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    zero: ShardedOptimizer,
+    shard_buckets: bool = False,
+) -> ZeroOverlap:
+    """Wraps ``hook`` so that each bucket is stepped and broadcast while backward goes on.
+
+    When bucket ``b``'s reduction has been launched, bucket ``b - 1`` (whose reduction has had
+    the time of computing bucket ``b``'s gradients to complete) is stepped by its owners and
+    broadcast; the last bucket is handled in its own hook call. Prefer it when communication
+    is fast relative to computation. Collective, like :func:`hook_with_zero_step`.
+    """
+    return ZeroOverlap(hook, ddp, zero, OverlapConfig(interleaved=True, shard_buckets=shard_buckets))
+
+
+def register_zero_overlap(
+    ddp: DistributedDataParallel,
+    zero: ShardedOptimizer,
+    hook: CommHook | None = None,
+    state: Any = None,
+    *,
+    interleaved: bool = True,
+    shard_buckets: bool = False,
+    grad_scaler: Any = None,
+    max_grad_norm: float | None = None,
+) -> ZeroOverlap:
+    """Builds the overlap hook and registers it on ``ddp`` in one call. Collective.
+
+    Args:
+        ddp: the DistributedDataParallel model (no comm hook registered yet).
+        zero: the ShardedOptimizer over exactly ``ddp``'s trainable params.
+        hook: the reduction hook; default ``allreduce_hook`` (average, like plain DDP).
+        state: the hook's state (``allreduce_hook``: the process group, or ``None`` for
+            ``ddp.process_group``).
+        interleaved: :func:`hook_with_zero_step_interleaved` (default) or
+            :func:`hook_with_zero_step`.
+        shard_buckets: see :func:`hook_with_zero_step`.
+        grad_scaler: the AMP scaler the loop would use; an enabled one is refused (see the
+            README's support matrix). ``None``: no scaler.
+        max_grad_norm: global-norm clipping the loop would do; refused unless ``None``.
+
+    Returns:
+        The registered :class:`ZeroOverlap`; call its ``step()`` where the loop steps.
+
+    Raises:
+        TypeError: wrong argument types.
+        ValueError: params or process groups of ``ddp`` and ``zero`` differ, ranks disagree, or
+            an unsupported combination (enabled scaler, clipping, ``broadcast_fp16``, LBFGS).
+        RuntimeError: a hook was already built for ``ddp`` or ``zero``, or DDP refuses a
+            second comm hook.
+    """
+    overlap = ZeroOverlap(
+        allreduce_hook if hook is None else hook,
+        ddp,
+        zero,
+        OverlapConfig(interleaved=interleaved, shard_buckets=shard_buckets),
+        grad_scaler=grad_scaler,
+        max_grad_norm=max_grad_norm,
+    )
+    try:
+        ddp.register_comm_hook(state, overlap)
+    except Exception:
+        overlap.close()
+        raise
+    return overlap

@@ -1,0 +1,270 @@
+"""``ZeroOverlap``: the DDP comm hook that steps a ShardedOptimizer bucket by bucket."""
+
+# No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at
+# registration and needs the real classes (see _torch_compat).
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedOptimizer
+from shardkit.overlap._config import OverlapConfig
+from shardkit.overlap._ownership import _apply_owners, _ddp_params, _planned_owners
+from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
+from shardkit.overlap._validation import (
+    _check_agreement,
+    _check_groups,
+    _check_params,
+    _check_supported,
+    _check_types,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["CommHook", "ZeroOverlap"]
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
+"""A DDP communication hook: ``(state, bucket) -> Future`` of the reduced flat gradients."""
+
+_BY_OPTIMIZER: "weakref.WeakKeyDictionary[ShardedOptimizer, ZeroOverlap]" = (
+    weakref.WeakKeyDictionary()
+)
+_BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+# [Note: Gloo-safe scheduling]
+# torch's ddp_zero_hook refuses Gloo (pytorch#62300). The interleaved hook chains the step and
+# the parameter broadcasts to the reduction with ``fut.then(...)``. With NCCL the future is
+# marked complete as soon as the work is enqueued, so the callback runs inline on the thread
+# that called the hook and every rank issues its collectives in the same order. With Gloo the
+# future completes on one of ProcessGroupGloo's worker threads whenever the all-reduce finishes:
+# the callback then (1) issues broadcasts from a worker thread at a time that differs between
+# ranks, interleaved differently with the all-reduces the autograd thread keeps issuing for later
+# buckets. Gloo matches the collectives of a group by their issue order (each gets the next tag
+# of the group), so rank 0's broadcast meets rank 1's all-reduce: a hang, or silently mixed
+# data. And (2) it blocks that worker thread in ``wait()`` on the broadcasts, which are queued
+# behind it on the same small worker pool: a deadlock once every worker waits.
+# Here no collective is ever issued, and nothing ever waits, inside a future callback. Every
+# collective is issued by the thread that calls the comm hook (the autograd thread), in an order
+# fixed by the bucket indices alone: reduce b, then [wait reduce b-1, step b-1, broadcast b-1]
+# (interleaved) or, at the last bucket, [wait reduce k, step k, broadcast k] for every k. The
+# only callback is the one of the last bucket's returned future, which just returns a value once
+# the last reduction and every broadcast have completed. The same code is correct for NCCL,
+# where ``wait()`` only orders the current stream after the reduction.
+
+
+# [Note: Reduced gradients at hook time]
+# When a bucket's reduction completes, the reduced values live in the hook future's result (a
+# flat tensor laid out like ``bucket.buffer()``: params back to back in ``bucket.parameters()``
+# order), not yet in ``p.grad``: DDP copies them there (``gradient_as_bucket_view=False``) or
+# into the bucket buffer only in ``finalize_backward``, after every hook. For the step each owned
+# param's ``.grad`` is pointed at its slice of that result, then restored; torch optimizers
+# read ``p.grad`` only, so any optimizer works and multiple param groups too.
+
+
+class ZeroOverlap:
+    """A DDP comm hook running a :class:`~shardkit.optim.ShardedOptimizer` step per bucket.
+
+    Built by :func:`hook_with_zero_step`, :func:`hook_with_zero_step_interleaved` or
+    :func:`register_zero_overlap` (which also registers it); it is itself the hook to pass to
+    ``ddp.register_comm_hook``. By the end of every ``backward()`` that synchronises gradients,
+    the params are updated and identical on every rank, from the first iteration on.
+
+    Do not call ``zero.step()`` after such a backward (it raises rather than stepping twice);
+    :meth:`step` is the loop's step: a no-op when the hooks stepped.
+    """
+
+    def __init__(
+        self,
+        hook: CommHook,
+        ddp: DistributedDataParallel,
+        zero: ShardedOptimizer,
+        config: OverlapConfig,
+        *,
+        grad_scaler: Any = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        _check_types(hook, ddp, zero, config.shard_buckets)
+        if not isinstance(config.interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {config.interleaved!r}")
+        if zero in _BY_OPTIMIZER or ddp in _BY_DDP:
+            raise RuntimeError(
+                "an overlap hook is already built for this ShardedOptimizer or this DDP model: "
+                "DDP accepts one comm hook per model and the optimizer can be stepped by one "
+                "hook only. Build it once (call .close() on the old one if you really need to "
+                "replace it)."
+            )
+        _check_supported(zero, grad_scaler, max_grad_norm)
+        _check_groups(ddp, zero)
+        named = _ddp_params(ddp)
+        _check_params(named, zero)
+        # Collective from here on: every rank checks the others agree, then repartitions.
+        _check_agreement(zero, ddp, hook, config.interleaved, config.shard_buckets)
+        _apply_owners(zero, _planned_owners(ddp, zero, config.shard_buckets))
+
+        self.config = config
+        self.zero = zero
+        # DDP reads the hook's __name__ / __qualname__ (logging, bf16 checks).
+        self.__name__ = f"zero_overlap_{getattr(hook, '__name__', type(hook).__name__)}"
+        self.__qualname__ = self.__name__
+        self._hook = hook
+        self._ddp = weakref.ref(ddp)
+        self._deferred = bool(ddp.find_unused_parameters)
+        self._rank = zero.rank
+        self._src = [dist.get_global_rank(zero.group, r) for r in range(zero.world_size)]
+        self._layout: object = None
+        self._owner: dict[int, int] = {}
+        self._pending: list[tuple[list[torch.Tensor], torch.futures.Future[Any]]] = []
+        self._works: list[dist.Work] = []
+        self._next_index = 0
+        self._stepped = False
+        self._unconsumed = False
+        self._closed = False
+        self._guard = zero.register_step_pre_hook(self._guard_step)
+        _BY_OPTIMIZER[zero] = self
+        _BY_DDP[ddp] = self
+
+    # ------------------------------------------------------------------ public
+    @property
+    def stepped(self) -> bool:
+        """Whether the hooks stepped the optimizer in the latest synchronised backward."""
+        return self._stepped
+
+    def step(self) -> None:
+        """The training loop's optimizer step: a no-op when the hooks already stepped.
+
+        Raises:
+            RuntimeError: no backward with gradient synchronisation ran since the previous
+                ``step()`` (e.g. only ``no_sync()`` backwards), so there is nothing to step.
+        """
+        if not self._unconsumed:
+            raise RuntimeError(
+                "ZeroOverlap.step(): no backward pass with gradient synchronisation ran since "
+                "the last step, so the hooks have no update to apply (under ddp.no_sync() the "
+                "comm hooks do not run). Run a synchronised backward first."
+            )
+        self._unconsumed = False
+
+    def close(self) -> None:
+        """Stops stepping from the hook (it keeps reducing) and releases ``zero.step()``."""
+        self._drain()
+        self._closed = True
+        self._guard.remove()
+        _BY_OPTIMIZER.pop(self.zero, None)
+        ddp = self._ddp()
+        if ddp is not None:
+            _BY_DDP.pop(ddp, None)
+
+    # ------------------------------------------------------------------ hook
+    def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook: reduce with the wrapped hook, step and broadcast owned params."""
+        index = bucket.index()
+        if index == 0:
+            self._start_iteration()
+        elif index != self._next_index:
+            raise RuntimeError(
+                f"DDP called the comm hook for bucket {index} but bucket {self._next_index} was "
+                f"expected next (DDP launches buckets in index order); was a backward pass "
+                f"interrupted?"
+            )
+        self._next_index = index + 1
+        fut = self._hook(state, bucket)
+        if self._closed:
+            return fut
+        if self._deferred:
+            # See [Note: Unused parameters].
+            if index == 0:
+                _queue_backward_callback(self._queue_deferred_step)
+            return fut
+        self._pending.append((bucket.parameters(), fut))
+        last = bucket.is_last()
+        # See [Note: Gloo-safe scheduling].
+        if self.config.interleaved or last:
+            keep = 0 if last else 1
+            while len(self._pending) > keep:
+                params, done = self._pending.pop(0)
+                self._step_and_broadcast(params, done)
+        if not last:
+            return fut
+        self._next_index = 0
+        self._stepped = self._unconsumed = True
+        works, self._works = self._works, []
+        if not works:
+            return fut
+        everything = torch.futures.collect_all([fut, *(w.get_future() for w in works)])
+        return everything.then(lambda _: fut.value())
+
+    # ------------------------------------------------------------------ internals
+    def _start_iteration(self) -> None:
+        self._drain()
+        self._stepped = False
+        layout = self.zero._layout
+        if layout is not self._layout:
+            self._layout = layout
+            self._owner = {id(p): o for p, o in zip(layout.params, layout.owner, strict=True)}
+
+    def _drain(self) -> None:
+        """Finishes what a backward that stopped half-way (an exception) left in flight."""
+        for w in self._works:
+            w.wait()
+        self._works = []
+        self._pending = []
+        self._next_index = 0
+
+    def _step_and_broadcast(
+        self, params: Sequence[torch.Tensor], fut: torch.futures.Future[Any]
+    ) -> None:
+        owners = [self._owner[id(p)] for p in params]
+        if self._rank in owners:
+            result = fut.wait()
+            flat = result if isinstance(result, torch.Tensor) else result[0]
+            # See [Note: Reduced gradients at hook time].
+            saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            offset = 0
+            try:
+                for p, owner in zip(params, owners, strict=True):
+                    n = p.numel()
+                    if owner == self._rank:
+                        g = flat.narrow(0, offset, n).view(p.shape)
+                        saved.append((p, p.grad))
+                        p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                    offset += n
+                self.zero._step_local([p for p, _ in saved])
+            finally:
+                for p, g0 in saved:
+                    p.grad = g0
+        for p, owner in zip(params, owners, strict=True):
+            work = dist.broadcast(
+                p.detach(), src=self._src[owner], group=self.zero.group, async_op=True
+            )
+            if work is None:
+                raise RuntimeError("an async broadcast returned no work handle")
+            self._works.append(work)
+
+    def _queue_deferred_step(self) -> None:
+        _queue_backward_callback(self._deferred_step)
+
+    # [Note: Unused parameters]
+    # With find_unused_parameters=True a param may get no gradient in an iteration; plain DDP
+    # then leaves its ``.grad`` as it was (None) when no rank used it, and a torch optimizer skips
+    # it (no update, no state change). Which params no rank used is only known once DDP has
+    # all-reduced its usage map, after the last bucket. So in this mode the step cannot run per
+    # bucket: the hook queues, at the first bucket, a backward callback that queues another
+    # one; the second runs after DDP's ``finalize_backward`` (queued in between), when every
+    # ``.grad`` is final, and performs the sharded step and broadcast there. The result is exact;
+    # the overlap is lost for such models (reductions still overlap backward as usual).
+    def _deferred_step(self) -> None:
+        self.zero._step_local()
+        self.zero._sync_params()
+        self._next_index = 0
+        self._stepped = self._unconsumed = True
+
+    def _guard_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._stepped and not self._closed:
+            raise RuntimeError(
+                "ShardedOptimizer.step() called after a backward pass whose overlap comm hook "
+                "already stepped it: that would apply the update twice. Drop the "
+                "optimizer.step() call, or call ZeroOverlap.step() (a no-op in that case)."
+            )

@@ -1,0 +1,88 @@
+"""Which rank steps which parameter: owners aligned with DDP's gradient buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from shardkit.buckets import plan_buckets
+from shardkit.optim import ShardedOptimizer
+from shardkit.partition import shard_buckets
+from torch.nn.parallel import DistributedDataParallel
+
+__all__: list[str] = []
+
+# DDP's reducer rebuilds its buckets with a 1 MiB first bucket (kDefaultFirstBucketBytes).
+_DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+# [Note: Bucket-aligned ownership]
+# Correctness never depends on how owners line up with DDP's buckets: the hooks step, for
+# every bucket, the params of that bucket this rank owns (whatever the owner map is) and
+# broadcast every param of the bucket from its owner. So any bucket layout works, including
+# the single all-param bucket DDP uses in the first iteration and the layout it rebuilds
+# afterwards; no iteration is skipped. Alignment only decides the balance: at registration the
+# optimizer is repartitioned (one collective, state moved if any) so that owners follow the
+# buckets DDP is expected to build (``plan_buckets`` with DDP's caps over the params in
+# reverse registration order, i.e. the order backward usually produces gradients), split at
+# param boundaries (``shard_buckets=True``) or whole buckets per rank (``False``), by
+# shardkit-partition's ``shard_buckets``. If DDP ends up with another layout, steps stay
+# exact; only the per-bucket balance differs from the plan.
+
+
+def _ddp_params(ddp: DistributedDataParallel) -> list[tuple[str, torch.nn.Parameter]]:
+    """DDP's trainable, non-ignored params in registration order (shared params once)."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    return [
+        (name, p)
+        for name, p in ddp.module.named_parameters()
+        if p.requires_grad and name not in ignored
+    ]
+
+
+def _planned_owners(
+    ddp: DistributedDataParallel, zero: ShardedOptimizer, split: bool
+) -> tuple[int, ...]:
+    """Owner (group rank) of every param of ``zero`` (global index order).
+
+    See [Note: Bucket-aligned ownership].
+    """
+    layout = zero._layout
+    index = {id(p): i for i, p in enumerate(layout.params)}
+    named = _ddp_params(ddp)
+    cap = int(ddp.bucket_bytes_cap)
+    plan = plan_buckets(named, cap, min(_DDP_FIRST_BUCKET_BYTES, cap))
+    buckets = [[index[id(named[j][1])] for j in b] for b in plan.bucket_indices]
+    assignment = shard_buckets(
+        buckets, zero.world_size, params=list(layout.params), split=split
+    ).assignment
+    return tuple(
+        int(a) if a >= 0 else int(o) for a, o in zip(assignment, layout.owner, strict=True)
+    )
+
+
+def _apply_owners(zero: ShardedOptimizer, owners: Sequence[int]) -> None:
+    """Repartitions ``zero`` with the given owners, moving any existing state. Collective.
+
+    shardkit-optim has no entry point to impose an owner map, so its own repartition path
+    (``_rebuild(migrate=True)``, the one ``refresh_trainable`` uses) runs with its layout builder
+    swapped for the duration of the call. Kept in this one function; pinned by a test.
+    """
+    if tuple(zero._layout.owner) == tuple(owners):
+        return
+    from shardkit.optim import _sharded_optimizer as so
+
+    namespace = vars(so)
+    original = namespace["_build_layout"]
+
+    def build(groups: Sequence[dict[str, Any]], world_size: int, algorithm: str) -> Any:
+        layout = original(groups, world_size, algorithm)
+        return dataclasses.replace(layout, owner=tuple(int(o) for o in owners))
+
+    namespace["_build_layout"] = build
+    try:
+        zero._rebuild(migrate=True)
+    finally:
+        namespace["_build_layout"] = original
