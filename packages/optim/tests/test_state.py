@@ -183,3 +183,28 @@ def test_recipient_mismatch_raises_on_every_rank() -> None:
     _, _, _m, opt = _pair(torch.optim.SGD)
     with pytest.raises(ValueError, match="different recipient"):
         opt.consolidate_state_dict(recipient_rank=dist.get_rank())
+
+
+@world(2)
+def test_consolidation_needs_no_numpy(tmp_path: Any) -> None:
+    """torch does not depend on NumPy: consolidation must not need it (torch's object
+    collectives do); sharded checkpoints (DCP) do need it and say so up front."""
+    import sys
+
+    from shardkit.optim import save_sharded
+
+    ref_model, ref, model, opt = _pair()
+    _train(ref_model, ref, 2)
+    _train(model, opt, 2)
+    with pytest.MonkeyPatch.context() as mp:
+
+        def no_numpy(self: torch.Tensor, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("Numpy is not available")
+
+        mp.setattr(torch.Tensor, "numpy", no_numpy)
+        opt.consolidate_state_dict(recipient_rank=-1)
+        _assert_state_equal(opt.state_dict(), ref.state_dict())
+        mp.setitem(sys.modules, "numpy", None)  # find_spec("numpy") -> None: "not installed"
+        with pytest.raises(RuntimeError, match="pip install numpy"):
+            save_sharded(opt, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

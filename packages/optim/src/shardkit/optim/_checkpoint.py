@@ -18,6 +18,7 @@ that never loads, never a half-written ``<name>``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from shardkit.partition import all_gather_objects
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
@@ -54,6 +56,18 @@ def _parse(key: str) -> tuple[int, str] | None:
     return int(idx), name
 
 
+def _require_numpy(what: str) -> None:
+    """torch.distributed.checkpoint plans a distributed save/load with object collectives, which
+    need NumPy (torch itself does not depend on it). Fail early and clearly instead of deep
+    inside DCP on some ranks. See [Note: Object collectives without NumPy]."""
+    if importlib.util.find_spec("numpy") is None:
+        raise RuntimeError(
+            f"{what} uses torch.distributed.checkpoint, whose distributed planning needs NumPy, "
+            f"which is not installed: `pip install numpy` (or `pip install "
+            f"'shardkit-optim[checkpoint]'`). consolidate_state_dict()/state_dict() work without it."
+        )
+
+
 def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
     """Saves the optimizer state as a DCP checkpoint, each rank writing its shard. Collective.
 
@@ -62,11 +76,11 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
         path: the checkpoint directory (replaced atomically if it exists). All ranks must see
             the same filesystem path.
     """
+    _require_numpy("save_sharded")
     final = Path(path)
     group = optimizer.group
-    token_box: list[str | None] = [uuid.uuid4().hex if optimizer.rank == 0 else None]
-    dist.broadcast_object_list(token_box, src=dist.get_global_rank(group, 0), group=group)
-    token = str(token_box[0])
+    # Rank 0's token names the temp dir on every rank. See [Note: Object collectives without NumPy].
+    token = str(all_gather_objects(uuid.uuid4().hex, group)[0])
     tmp = final.parent / f".{final.name}.tmp-{token}"
     local = optimizer.local_state_dict()
     header = {
@@ -88,15 +102,15 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
     _dcp_save(sd, checkpoint_id=str(tmp), process_group=group)
     dist.barrier(group=group)
     # See [Note: Crash-safe commit].
-    error: list[str | None] = [None]
+    error: str | None = None
     if optimizer.rank == 0:
         try:
             _commit(tmp, final, header, token)
         except OSError as e:
-            error[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
-    if error[0] is not None:
-        raise RuntimeError(f"committing checkpoint {final} failed on rank 0: {error[0]}")
+            error = f"{type(e).__name__}: {e}"
+    error = all_gather_objects(error, group)[0]
+    if error is not None:
+        raise RuntimeError(f"committing checkpoint {final} failed on rank 0: {error}")
 
 
 def _commit(tmp: Path, final: Path, header: dict[str, Any], token: str) -> None:
@@ -155,6 +169,7 @@ def load_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
         FileNotFoundError: ``path`` is not a committed checkpoint.
         ValueError: the checkpoint was saved for a different model or param group layout.
     """
+    _require_numpy("load_sharded")
     p = Path(path)
     metadata = _read_metadata(p)
     req = _request(metadata, set(optimizer._layout.owned(optimizer.rank)))

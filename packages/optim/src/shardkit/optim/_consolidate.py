@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim._dist import _comm_device, _global_rank
+from shardkit.partition import all_gather_objects
 
 __all__: list[str] = []
 
@@ -73,8 +74,7 @@ def _consolidate(
     """
     world = dist.get_world_size(group)
     tensors, values = _describe(local, skipped)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (recipient, tensors, values), group=group)
+    gathered = all_gather_objects((recipient, tensors, values), group)  # See [Note: Object collectives without NumPy]
     recipients = [g[0] for g in gathered]
     if any(r != recipients[0] for r in recipients):
         raise ValueError(

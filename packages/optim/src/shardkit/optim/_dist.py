@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardkit.partition import all_gather_objects
 
 __all__: list[str] = []
 
@@ -57,9 +58,7 @@ def _agree(value: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
     This is the agreement step that precedes any collective some ranks might otherwise skip or
     size differently, so a mismatch raises everywhere instead of deadlocking.
     """
-    world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, value, group=group)
+    gathered = all_gather_objects(value, group)  # See [Note: Object collectives without NumPy]
     if any(v != gathered[0] for v in gathered):
         detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(gathered))
         raise ValueError(

@@ -13,6 +13,7 @@ from shardkit.partition.__about__ import __version__
 from shardkit.partition._buckets import BucketPartition, buckets_from_sizes, shard_buckets
 from shardkit.partition._consistency import check_consistent
 from shardkit.partition._flat import FlatPartition, Fragment, flat_partition
+from shardkit.partition._objects import all_gather_objects, comm_device
 from shardkit.partition._partition import ALGORITHMS, Partition, partition
 from shardkit.partition._shapes import ShapeFile, available_shapes, load_shapes
 from shardkit.partition._spec import ParamSpec, param_costs
@@ -26,9 +27,11 @@ __all__ = [
     "Partition",
     "ShapeFile",
     "__version__",
+    "all_gather_objects",
     "available_shapes",
     "buckets_from_sizes",
     "check_consistent",
+    "comm_device",
     "flat_partition",
     "load_shapes",
     "param_costs",

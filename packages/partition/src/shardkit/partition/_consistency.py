@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.partition._flat import FlatPartition
+from shardkit.partition._objects import all_gather_objects, comm_device
 from shardkit.partition._partition import Partition
 from shardkit.partition._spec import ParamSpec, _as_specs
 from torch.distributed import ProcessGroup
@@ -54,13 +55,6 @@ def _digest(header: _Entry, entries: Sequence[_Entry]) -> bytes:
     for e in entries:
         h.update(repr(e).encode())
     return h.digest()
-
-
-def _device_for(group: ProcessGroup | None) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" or "nccl" in str(backend).split(","):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _wait(work: Any, timeout: timedelta | None) -> None:
@@ -126,7 +120,7 @@ def check_consistent(
         local_error = f"{type(exc).__name__}: {exc}"
         digest = bytes(32)  # marker; never a sha256 of real input in practice
     world = dist.get_world_size(group)
-    device = _device_for(group)
+    device = comm_device(group)
     mine = torch.tensor([*digest, 1 if local_error else 0], dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     _wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout)
@@ -134,8 +128,7 @@ def check_consistent(
     if all(r == rows[0] for r in rows) and rows[0][-1] == 0:
         return
     # Mismatch or error somewhere: every rank saw it, every rank gathers the details.
-    details: list[Any] = [None] * world
-    dist.all_gather_object(details, (local_error, header, entries), group=group)
+    details = all_gather_objects((local_error, header, entries), group)  # See [Note: Object collectives without NumPy]
     raise ValueError(_explain(details, group))
 
 
