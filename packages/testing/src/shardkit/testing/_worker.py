@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import hashlib
 import importlib.util
 import os
 import pickle
@@ -48,7 +49,9 @@ def _load_module(path: str) -> ModuleType:
     module = _modules.get(path)
     if module is not None:
         return module
-    name = "_shardkit_rank_test_" + str(abs(hash(path)))
+    # Same name on every rank (hash() is randomised per process): objects defined in the test
+    # module then pickle by reference between ranks.
+    name = "_shardkit_rank_test_" + hashlib.sha1(path.encode()).hexdigest()[:16]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import the test module at {path!r}")
