@@ -52,9 +52,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 
 try:  # optional: overlap the sharded step with backward
-    from shardkit.overlap import register_overlap_hook as _register_overlap
-except ImportError:  # shardkit-overlap not installed (or older): plain ZeRO-1 step
-    _register_overlap = None
+    from shardkit.overlap import register_zero_overlap
+except ImportError:  # shardkit-overlap not installed: plain ZeRO-1 step after backward
+    register_zero_overlap = None  # type: ignore[assignment]
 
 VOCAB = 16
 
@@ -182,10 +182,11 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
     zero = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
     if phase == "resume":
         load_sharded(zero, ckpt)
-    overlapped = False
-    if _register_overlap is not None and not args.no_overlap:
-        _register_overlap(ddp, zero)
-        overlapped = True
+    optimizer_step = zero.step
+    overlapped = register_zero_overlap is not None and not args.no_overlap
+    if overlapped:
+        # The step of each gradient bucket runs inside DDP's comm hook, during backward.
+        optimizer_step = register_zero_overlap(ddp, zero, interleaved=True, shard_buckets=True).step
 
     table = markov_chain()
     g = torch.Generator().manual_seed(1000 * (start_step + 1) + rank)
@@ -201,7 +202,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
         logits = ddp(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
-        zero.step()  # a no-op step-wise when the overlap hook already stepped
+        optimizer_step()  # with the overlap hook: only checks that the hooks stepped every bucket
         zero.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
