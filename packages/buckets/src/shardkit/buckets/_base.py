@@ -91,6 +91,19 @@ class _FlatBucket:
         self._fill = 0
 
     # ------------------------------------------------------------------ properties
+    def _target_probe(
+        self, device: object, dtype: object, keep_param_alignment: object
+    ) -> torch.Tensor:
+        """Validates the arguments of ``to()``; an empty tensor on the target device and dtype."""
+        target_device = self.device if device is None else _check_device(device, "to: device")
+        target_dtype = self.dtype if dtype is None else _check_dtype(dtype, "to: dtype")
+        if not isinstance(keep_param_alignment, bool):
+            raise TypeError(
+                f"to: keep_param_alignment must be a bool; got "
+                f"{type(keep_param_alignment).__name__}."
+            )
+        return torch.empty(0, dtype=target_dtype, device=target_device)
+
     @property
     def buffer(self) -> torch.Tensor:
         """The flat 1-D tensor holding every slot (``numel`` is ``size`` padded up to

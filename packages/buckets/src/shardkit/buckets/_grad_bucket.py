@@ -8,7 +8,6 @@ import weakref
 import torch
 from shardkit.buckets._base import _align_up, _FlatBucket, _is_slot_view
 from shardkit.buckets._validation import (
-    _check_device,
     _check_dtype,
     _check_flat_candidate,
     _check_int,
@@ -300,14 +299,7 @@ class GradBucket(_FlatBucket):
             ValueError: With ``keep_param_alignment=True``, a param cannot take a grad of the
                 target dtype or device.
         """
-        target_device = self.device if device is None else _check_device(device, "to: device")
-        target_dtype = self.dtype if dtype is None else _check_dtype(dtype, "to: dtype")
-        if not isinstance(keep_param_alignment, bool):
-            raise TypeError(
-                f"to: keep_param_alignment must be a bool; got "
-                f"{type(keep_param_alignment).__name__}."
-            )
-        probe = torch.empty(0, dtype=target_dtype, device=target_device)
+        probe = self._target_probe(device, dtype, keep_param_alignment)
         if keep_param_alignment:
             for idx, param in enumerate(self._params):
                 self._check_param_matches(
@@ -317,7 +309,7 @@ class GradBucket(_FlatBucket):
             self._buffer = probe
             return self
         old = self._buffer
-        self._buffer = old.to(device=probe.device, dtype=target_dtype, non_blocking=non_blocking)
+        self._buffer = old.to(device=probe.device, dtype=probe.dtype, non_blocking=non_blocking)
         if keep_param_alignment:
             self._attach_all(previous=old)
         return self

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from shardkit.buckets._base import _FlatBucket, _is_slot_view
 from shardkit.buckets._validation import (
-    _check_device,
-    _check_dtype,
     _check_flat_candidate,
     _check_name,
     _describe,
@@ -140,18 +138,11 @@ class ParamBucket(_FlatBucket):
                 device of a param that has a ``.grad``. Set grads to ``None`` first
                 (``optimizer.zero_grad(set_to_none=True)`` or ``GradBucket.collapse()``).
         """
-        target_device = self.device if device is None else _check_device(device, "to: device")
-        target_dtype = self.dtype if dtype is None else _check_dtype(dtype, "to: dtype")
-        if not isinstance(keep_param_alignment, bool):
-            raise TypeError(
-                f"to: keep_param_alignment must be a bool; got "
-                f"{type(keep_param_alignment).__name__}."
-            )
-        probe = torch.empty(0, dtype=target_dtype, device=target_device)
+        probe = self._target_probe(device, dtype, keep_param_alignment)
         if keep_param_alignment:
             self._check_grads_allow(probe, "ParamBucket.to")
         old = self._buffer
-        new = old.to(device=probe.device, dtype=target_dtype, non_blocking=non_blocking)
+        new = old.to(device=probe.device, dtype=probe.dtype, non_blocking=non_blocking)
         self._buffer = new
         if keep_param_alignment:
             for idx, param in enumerate(self._params):
