@@ -15,7 +15,6 @@ from shardkit.overlap import (
     hook_with_zero_step_interleaved,
     register_zero_overlap,
 )
-from shardkit.overlap._ownership import _apply_owners
 from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
 from shardkit.testing import world
 from torch import nn
@@ -126,16 +125,28 @@ def test_ranks_disagree_raise_everywhere() -> None:
 @world(2)
 def test_unsupported_combinations() -> None:
     _, ddp, zero = _setup()
-    scaler = ShardedGradScaler("cpu")
-    with pytest.raises(ValueError, match="gradient scaler"):
-        register_zero_overlap(ddp, zero, grad_scaler=scaler)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        register_zero_overlap(ddp, zero, max_grad_norm=1.0)
+    with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
+        register_zero_overlap(ddp, zero, grad_scaler=object())
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        register_zero_overlap(ddp, zero, max_grad_norm=0.0)
+    with pytest.raises(TypeError, match="max_grad_norm must be a number"):
+        register_zero_overlap(ddp, zero, max_grad_norm="1")  # type: ignore[arg-type]
     _, ddp2, zero2 = _setup(broadcast_fp16=True)
     with pytest.raises(ValueError, match="broadcast_fp16"):
         register_zero_overlap(ddp2, zero2)
-    # a disabled scaler is a no-op: accepted
+    net = _net()
+    ddp3 = DDP(net)
+    zero3 = ShardedOptimizer(net.parameters(), torch.optim.LBFGS, lr=0.1)
+    with pytest.raises(ValueError, match="LBFGS"):
+        register_zero_overlap(ddp3, zero3)
+    # a disabled scaler is a no-op: the hooks keep stepping
     overlap = register_zero_overlap(ddp, zero, grad_scaler=ShardedGradScaler("cpu", enabled=False))
+    assert not overlap.loop_step
+    overlap.close()
+    # an enabled scaler or clipping: accepted, the step moves to the loop
+    _, ddp4, zero4 = _setup()
+    overlap = register_zero_overlap(ddp4, zero4, grad_scaler=ShardedGradScaler("cpu"))
+    assert overlap.loop_step
     overlap.close()
 
 
@@ -146,39 +157,25 @@ def test_no_double_step() -> None:
     try:
         with pytest.raises(RuntimeError, match="no backward pass with gradient synchronisation"):
             overlap.step()
-        _train_step(ddp)
-        before = [p.detach().clone() for p in ddp.parameters()]
-        with pytest.raises(RuntimeError, match="already stepped"):
+        with pytest.raises(RuntimeError, match="no backward pass with gradient synchronisation"):
             zero.step()
+        _train_step(ddp)
+        assert overlap.stepped
+        before = [p.detach().clone() for p in ddp.parameters()]
+        with pytest.raises(RuntimeError, match="closure"):
+            zero.step(lambda: 0.0)
+        zero.step()  # the loop's step: consumes the hooks' update, changes nothing
         assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters(), strict=True))
-        overlap.step()
         with pytest.raises(RuntimeError, match="no backward pass"):
-            overlap.step()
+            overlap.step()  # the update was consumed
+        _train_step(ddp)
+        overlap.step()  # same as zero.step()
+        with pytest.raises(RuntimeError, match="no backward pass"):
+            zero.step()
         with ddp.no_sync():
             _train_step(ddp)
         with pytest.raises(RuntimeError, match="no backward pass"):
-            overlap.step()
+            zero.step()
     finally:
         overlap.close()
-    zero.step()  # released by close()
-
-
-@world(2)
-def test_apply_owners_pins_optim_repartition() -> None:
-    """The optim workaround: an imposed owner map is used and existing state moves with it."""
-    net, ddp, _ = _setup()
-    zero2 = ShardedOptimizer(net.parameters(), torch.optim.Adam, lr=0.1)
-    _train_step(ddp)
-    zero2.step()
-    before = zero2.state_dict(all_ranks=True)
-    n = len(list(net.parameters()))
-    owners = tuple((i + 1) % 2 for i in range(n))
-    _apply_owners(zero2, owners)
-    assert tuple(zero2._layout.owner) == owners
-    assert {id(p) for p in zero2.owned_params} == {
-        id(p) for i, p in enumerate(net.parameters()) if owners[i] == dist.get_rank()
-    }
-    after = zero2.state_dict(all_ranks=True)
-    for i, st in before["state"].items():
-        for k, v in st.items():
-            torch.testing.assert_close(after["state"][i][k], v, rtol=0, atol=0)
+    zero.step()  # close() restores the normal step

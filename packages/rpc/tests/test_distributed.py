@@ -1,16 +1,15 @@
-"""Tier 2: multi-process RPC tests (TensorPipe over localhost) through shardkit.testing.
+"""Tier 2: multi-process RPC tests (TensorPipe over localhost).
 
-Rank 0 is the trainer; other ranks own parameters. Each test launches fresh rank processes
-(see [Note: One RPC session per process]).
+Rank 0 (worker0) is the trainer; worker1 and worker2 own parameters. Every test body runs on all
+three ranks of one RPC session shared by this module (the ``rpc_world`` fixture, see
+[Note: One RPC session per world] in _rpc_world.py): torch cannot re-initialise RPC in a process,
+so process start-up is paid once per module. Bodies use distinct tags for what they build.
 """
 
 from __future__ import annotations
 
-import gc
 import io
 import os
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -24,153 +23,39 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from shardkit.rpc import DistributedOptimizer, RemoteOptimizerError
 from shardkit.rpc._torch_compat import is_unknown_context_error
-from shardkit.testing import free_port
-
-# Rank processes import this file under a per-process module name; RPC pickles functions and
-# classes by reference, so give them one stable name that resolves in every rank.
-_ALIAS = "shardkit_rpc_test_distributed"
-sys.modules.setdefault(_ALIAS, sys.modules[__name__])
 
 # Per-process registry of owner-side modules / parameters built by the tests.
 _MODULES: dict[str, torch.nn.Module] = {}
 _EVENTS: list[tuple[str, float, float]] = []
+_PATH = os.path.abspath(__file__)
 
 
-def _stable(obj: Any) -> Any:
-    obj.__module__ = _ALIAS
-    return obj
-
-
-def _name(rank: int) -> str:
-    return f"worker{rank}"
-
-
-def _start_rpc(port: int, timeout: float = 30.0) -> None:
-    rank, size = dist.get_rank(), dist.get_world_size()
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=timeout, num_worker_threads=16
-    )
-    rpc.init_rpc(_name(rank), rank=rank, world_size=size, rpc_backend_options=options)
-
-
-def _stop_rpc() -> None:
-    # Every RRef must be dead before shutdown: a UserRRef collected after it would try to message
-    # its owner on a stopped agent, and a later init_rpc in this reused process could hang.
-    gc.collect()
-    rpc.shutdown()
-    _MODULES.clear()
-    _EVENTS.clear()
-
-
-# [Note: One RPC session per process]
-# torch.distributed.rpc cannot be initialised again in a process where it was shut down (on
-# torch 2.13 the second session's RRef messages fail with "RPC is no longer running on this
-# node" and its shutdown times out on the store), so these tests cannot use the reused
-# @world processes: each test launches fresh rank processes with this file's `_child_main`,
-# under a hard timeout that kills every rank and reports their output.
-_CHILD = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location({alias!r}, {path!r})
-module = importlib.util.module_from_spec(spec)
-sys.modules[{alias!r}] = module
-spec.loader.exec_module(module)
-module._child_main(sys.argv[1:])
-"""
-
-
-def _child_main(argv: list[str]) -> None:
-    body_name, rank, size, rpc_port, pg_port, *extra = argv
-    r, n = int(rank), int(size)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=r, world_size=n)
-    try:
-        _start_rpc(int(rpc_port))
-        try:
-            # No barrier after the body: a rank whose body raised would leave the others
-            # blocked in it. rpc.shutdown() (graceful) is the rendezvous instead.
-            for name in body_name.split("+"):
-                globals()[name](r, *extra)
-        finally:
-            _stop_rpc()
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(world_size: int, body_name: str, *extra: str, timeout: float = 120.0) -> None:
-    """Run ``body_name(rank, *extra)`` on ``world_size`` fresh processes with RPC started."""
-    code = _CHILD.format(alias=_ALIAS, path=os.path.abspath(__file__))
-    ports = [str(free_port()), str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, body_name, str(r), str(world_size), *ports, *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    timed_out = False
-    try:
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                for other in procs:
-                    other.kill()
-                out, _ = proc.communicate()
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [proc.returncode for proc in procs]
-    if timed_out or any(codes):
-        report = "\n".join(
-            f"----- rank {r} (exit {c}) -----\n{o[-6000:]}"
-            for r, (c, o) in enumerate(zip(codes, outputs, strict=True))
-        )
-        pytest.fail(
-            f"{body_name} {'timed out' if timed_out else 'failed'}:\n{report}", pytrace=False
-        )
-
-
-@_stable
 def _build(name: str, fan_in: int, fan_out: int, seed: int) -> list[Any]:
     torch.manual_seed(seed)
     _MODULES[name] = torch.nn.Linear(fan_in, fan_out)
     return [rpc.RRef(p) for p in _MODULES[name].parameters()]
 
 
-@_stable
 def _forward(name: str, x: torch.Tensor) -> torch.Tensor:
     return _MODULES[name](x)
 
 
-@_stable
 def _snapshot(name: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in _MODULES[name].parameters()]
 
 
-@_stable
 def _grads_are_none(name: str) -> bool:
     return all(p.grad is None for p in _MODULES[name].parameters())
 
 
-@_stable
 def _param_rrefs(name: str) -> list[Any]:
     return [rpc.RRef(p) for p in _MODULES[name].parameters()]
 
 
-@_stable
 def _not_a_tensor() -> list[int]:
     return [1, 2, 3]
 
 
-@_stable
 def _events() -> list[tuple[str, float, float]]:
     return list(_EVENTS)
 
@@ -273,87 +158,134 @@ _OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 # -- parity -------------------------------------------------------------------------------------
 
 
-def _body_parity_with_single_process(rank: int, opt_names: str) -> None:
+def _body_parity_with_single_process(rank: int, opt_name: str) -> None:
     if rank != 0:
         return
-    for opt_name in opt_names.split(","):
-        cls, kwargs = _OPTIMIZERS[opt_name]
-        model, ref = _Model(("worker1", "worker2"), f"m{opt_name}"), _Reference()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt = DistributedOptimizer(cls, model.groups(), **kwargs)
-            ref_opt = cls(ref.groups(), **kwargs)
-            _assert_same(model.params(), ref.params(), "initial parameters")
-            for x, y in _batches(4):
-                _dist_step(model, opt, x, y)
-                _local_step(ref, ref_opt, x, y)
-        assert [str(w.message) for w in caught] == []
-        _assert_same(model.params(), ref.params(), f"{opt_name} after 4 steps")
-        assert opt.param_groups[0]["lr"] == 0.05
-        assert opt.param_groups[1]["lr"] == kwargs["lr"]
-        assert rpc.rpc_sync("worker1", _grads_are_none, args=(f"m{opt_name}1",))
-        assert rpc.rpc_sync("worker2", _grads_are_none, args=(f"m{opt_name}2",))
-        assert model.scale.grad is None
+    cls, kwargs = _OPTIMIZERS[opt_name]
+    model, ref = _Model(("worker1", "worker2"), f"m{opt_name}"), _Reference()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = DistributedOptimizer(cls, model.groups(), **kwargs)
+        ref_opt = cls(ref.groups(), **kwargs)
+        _assert_same(model.params(), ref.params(), "initial parameters")
+        for x, y in _batches(4):
+            _dist_step(model, opt, x, y)
+            _local_step(ref, ref_opt, x, y)
+    assert [str(w.message) for w in caught] == []
+    _assert_same(model.params(), ref.params(), f"{opt_name} after 4 steps")
+    assert opt.param_groups[0]["lr"] == 0.05
+    assert opt.param_groups[1]["lr"] == kwargs["lr"]
+    assert rpc.rpc_sync("worker1", _grads_are_none, args=(f"m{opt_name}1",))
+    assert rpc.rpc_sync("worker2", _grads_are_none, args=(f"m{opt_name}2",))
+    assert model.scale.grad is None
 
 
-def test_parity_with_single_process() -> None:
+@pytest.mark.parametrize("opt_name", list(_OPTIMIZERS))
+def test_parity_with_single_process(rpc_world: Any, opt_name: str) -> None:
     """Bit-for-bit equal to the same model and optimizer in one process (param groups,
-    a trainer-owned parameter, two remote owners), with no warnings and no stale .grad.
-    One launch runs every optimizer in turn (process start-up dominates the cost)."""
-    _launch(3, "_body_parity_with_single_process", ",".join(_OPTIMIZERS))
+    a trainer-owned parameter, two remote owners), with no warnings and no stale .grad."""
+    rpc_world.run(_PATH, "_body_parity_with_single_process", opt_name)
 
 
 # -- concurrency --------------------------------------------------------------------------------
 
 
-def _body_concurrent_trainers_lose_no_update(rank: int) -> None:
-    if rank == 1:
-        torch.manual_seed(0)
-        _MODULES["shared"] = torch.nn.Linear(16, 1)
-        with torch.no_grad():
-            for p in _MODULES["shared"].parameters():
-                p.zero_()
+# [Note: Where torch's DistributedOptimizer loses updates]
+# For the optimizers with a functional form (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Rprop,
+# Adamax) torch's DistributedOptimizer scripts the local optimizer and steps it through a
+# TorchScript function that runs without the GIL and takes no lock (`_ScriptLocalOptimizer.step`;
+# only its Python fallback `_LocalOptimizer` holds a process-wide lock). Concurrent steps then
+# race on the in-place parameter update: two RPC server threads read the same old value and one
+# write wins. With a 4-element parameter the update takes nanoseconds and the race is hardly ever
+# hit; with a parameter of 2**18+ elements the in-place add of concurrent steps overlaps and
+# updates can go missing (measured on the 2-core CI machine with one trainer process, 8 threads x
+# 50 steps: up to 3 updates lost at 2**18 elements and up to 8 at 2**20 in 3 of 4 runs, none at
+# 4 elements; with two trainer processes as below, often none). Because the loss is
+# probabilistic, the test records torch's count (junit property `torch_lost_updates`) and
+# asserts only shardkit's result, which is exact by construction
+# (see [Note: Per-optimizer serial queue] in _owner.py).
+_SHARED_NUMEL = 1 << 18
+
+
+def _build_shared(name: str) -> list[Any]:
+    _MODULES[name] = torch.nn.Linear(_SHARED_NUMEL, 1)
+    with torch.no_grad():
+        for p in _MODULES[name].parameters():
+            p.zero_()
+    return [rpc.RRef(p) for p in _MODULES[name].parameters()]
+
+
+def _forward_shared(name: str) -> torch.Tensor:
+    """The shared layer on an all-ones input held by the owner (no 1 MB input per RPC)."""
+    return _MODULES[name](torch.ones(1, _SHARED_NUMEL)).sum()
+
+
+def _body_concurrent_trainers(rank: int, impl: str, tag: str) -> tuple[float, float] | None:
+    """8 threads x 50 steps on rank 0 and 4 x 25 on rank 2, each process with its own optimizer
+    over the same parameters on worker1; SGD(lr=1) with d/dw = d/db = 1 on every step. Returns
+    (on rank 0) how many updates the worst element lost and rank 0's trainer seconds."""
+    if rank == 0:
+        rpc.rpc_sync("worker1", _build_shared, args=(tag,))
     dist.barrier()
     if rank in (0, 2):
-        rrefs = rpc.rpc_sync("worker1", _param_rrefs, args=("shared",))
-        opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+        rrefs = rpc.rpc_sync("worker1", _param_rrefs, args=(tag,))
+        if impl == "torch":
+            from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                opt: Any = TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+        else:
+            opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
         threads, steps = (8, 50) if rank == 0 else (4, 25)
         errors: list[BaseException] = []
 
         def trainer() -> None:
             try:
-                x = torch.ones(1, 16)
                 for _ in range(steps):
                     with dist_autograd.context() as cid:
-                        out = rpc.rpc_sync("worker1", _forward, args=("shared", x))
-                        dist_autograd.backward(cid, [out.sum()])  # d/dw = 1, d/db = 1
-                        opt.step(cid)
+                        out = rpc.rpc_sync("worker1", _forward_shared, args=(tag,))
+                        dist_autograd.backward(cid, [out])  # d/dw = 1, d/db = 1
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore", DeprecationWarning)
+                            opt.step(cid)
             except BaseException as err:
                 errors.append(err)
 
+        start = time.perf_counter()
         pool = [threading.Thread(target=trainer) for _ in range(threads)]
         for t in pool:
             t.start()
         for t in pool:
             t.join()
+        _EVENTS.append((f"{tag} trainer", start, time.perf_counter()))
         assert errors == []
     dist.barrier()
-    if rank == 0:
-        weight, bias = rpc.rpc_sync("worker1", _snapshot, args=("shared",))
-        total = 8 * 50 + 4 * 25
-        assert torch.equal(weight, torch.full((1, 16), -float(total)))
+    if rank != 0:
+        return None
+    weight, bias = rpc.rpc_sync("worker1", _snapshot, args=(tag,))
+    total = 8 * 50 + 4 * 25
+    lost = float(total + torch.cat([weight.flatten(), bias]).min())
+    if impl == "shardkit":
+        assert torch.equal(weight, torch.full((1, _SHARED_NUMEL), -float(total))), lost
         assert torch.equal(bias, torch.full((1,), -float(total)))
-        assert rpc.rpc_sync("worker1", _grads_are_none, args=("shared",))
+        assert rpc.rpc_sync("worker1", _grads_are_none, args=(tag,))
+    return lost, _EVENTS[-1][2] - _EVENTS[-1][1]
 
 
-def test_concurrent_trainers_lose_no_update() -> None:
-    """8 threads x 50 steps on rank 0 plus 4 threads x 25 steps on rank 2 (each process with its
-    own DistributedOptimizer over the same parameters on worker1): every step is applied."""
+def test_concurrent_trainers_lose_no_update(
+    rpc_world: Any, record_property: Callable[[str, object], None]
+) -> None:
+    """Two trainer processes (8 x 50 and 4 x 25 threaded steps) on one 2**18-element parameter:
+    shardkit applies all 500 updates to every element. torch's DistributedOptimizer runs the same
+    workload first; how many updates it lost is recorded, not asserted (see
+    [Note: Where torch's DistributedOptimizer loses updates])."""
+    torch_lost = rpc_world.run(_PATH, "_body_concurrent_trainers", "torch", "ct", timeout=120)[0]
+    record_property("torch_lost_updates", torch_lost[0])
+    shardkit_lost = rpc_world.run(_PATH, "_body_concurrent_trainers", "shardkit", "cs", timeout=120)
+    assert shardkit_lost[0][0] == 0.0
 
-    _launch(3, "_body_concurrent_trainers_lose_no_update")
 
-
-@_stable
 class _SlowSGD(torch.optim.SGD):
     """SGD whose step sleeps and records (param-set tag, start, end) on the owner."""
 
@@ -405,10 +337,10 @@ def _body_serialisation_is_scoped_to_the_parameters(rank: int) -> None:
             DistributedOptimizer(torch.optim.SGD, [*a, *b], lr=0.1)
 
 
-def test_serialisation_is_scoped_to_the_parameters() -> None:
+def test_serialisation_is_scoped_to_the_parameters(rpc_world: Any) -> None:
     """Optimizers over the same parameters never overlap; over disjoint ones they run in parallel."""
 
-    _launch(2, "_body_serialisation_is_scoped_to_the_parameters")
+    rpc_world.run(_PATH, "_body_serialisation_is_scoped_to_the_parameters")
 
 
 # -- checkpointing ------------------------------------------------------------------------------
@@ -453,18 +385,17 @@ def _body_state_dict_round_trip_with_renamed_owners(rank: int) -> None:
         assert sorted(again["state"]) == sorted(saved["state"])
 
 
-def test_state_dict_round_trip_with_renamed_owners() -> None:
+def test_state_dict_round_trip_with_renamed_owners(rpc_world: Any) -> None:
     """Save after 3 steps, load into a fresh optimizer whose layers live on swapped owners
     (owner_map), continue 3 steps: identical to uninterrupted training."""
 
-    _launch(
-        3,
-        "_body_state_dict_round_trip_with_renamed_owners"
-        "+_body_load_state_dict_rejects_mismatches_before_sending",
-    )
+    rpc_world.run(_PATH, "_body_state_dict_round_trip_with_renamed_owners")
 
 
-@_stable
+def test_load_state_dict_rejects_mismatches_before_sending(rpc_world: Any) -> None:
+    rpc_world.run(_PATH, "_body_load_state_dict_rejects_mismatches_before_sending")
+
+
 def _set_weights(name: str, values: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p, v in zip(_MODULES[name].parameters(), values, strict=True):
@@ -522,16 +453,15 @@ def _body_lr_scheduler_parity(rank: int) -> None:
             assert opt.state_dict()["param_groups"][0]["lr"] == ref_opt.param_groups[0]["lr"]
 
 
-def test_lr_scheduler_parity() -> None:
+def test_lr_scheduler_parity(rpc_world: Any) -> None:
     """StepLR and LambdaLR on scheduler_view match the same schedulers on a local optimizer."""
 
-    _launch(3, "_body_lr_scheduler_parity")
+    rpc_world.run(_PATH, "_body_lr_scheduler_parity")
 
 
 # -- failures -----------------------------------------------------------------------------------
 
 
-@_stable
 class _FailingSGD(torch.optim.SGD):
     """SGD that raises on the owners listed in ``fail_on``."""
 
@@ -599,8 +529,16 @@ def _body_failures_name_every_owner(rank: int) -> None:
         _assert_same(model.params(), before, "after rejected steps")
 
 
-def test_failures_name_every_owner() -> None:
-    _launch(3, "_body_failures_name_every_owner+_body_unknown_context_on_owner_means_no_gradients")
+def test_failures_name_every_owner(rpc_world: Any) -> None:
+    """Every failing owner is named; a per-call timeout raises in time; bad context ids and
+    timeouts are rejected before any RPC."""
+    rpc_world.run(_PATH, "_body_failures_name_every_owner")
+
+
+def test_unknown_context_on_owner_means_no_gradients(rpc_world: Any) -> None:
+    """An owner that took no part in the context skips its parameters (pins the torch error
+    message recognised by _torch_compat)."""
+    rpc_world.run(_PATH, "_body_unknown_context_on_owner_means_no_gradients")
 
 
 def _body_unknown_context_on_owner_means_no_gradients(rank: int) -> None:

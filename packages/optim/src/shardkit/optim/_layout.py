@@ -34,12 +34,15 @@ class _Layout:
         group_index: global index -> index of its param group.
         owner: global index -> owning rank (group numbering).
         trainable: global index -> ``requires_grad`` when the layout was built.
+        order: global indices in the order params are laid out in the flat sync buffers
+            (empty: global-index order). See [Note: Imposed partition].
     """
 
     params: tuple[torch.Tensor, ...]
     group_index: tuple[int, ...]
     owner: tuple[int, ...]
     trainable: tuple[bool, ...]
+    order: tuple[int, ...] = ()
 
     def owned(self, rank: int) -> list[int]:
         """Global indices owned by ``rank``, ascending."""
@@ -59,9 +62,67 @@ def _check_algorithm(algorithm: Any) -> str:
     return algorithm
 
 
+# [Note: Imposed partition]
+# ``ShardedOptimizer.set_partition(owners, sync_order=...)`` lets a caller that knows better than
+# the cost model (shardkit-overlap, which aligns owners with DDP's gradient buckets) impose the
+# owner of every trainable param and the order in which params are laid out in the flat sync
+# buffers. With ``sync_order`` listing DDP's buckets one after the other, the params of one
+# (DDP bucket, owner) pair are contiguous in that owner's buffer, so syncing one DDP bucket is one
+# broadcast per owner (see [Note: Exact sync spans]). The imposed partition is kept across
+# rebuilds as long as the params and their ``requires_grad`` mask are unchanged; after any other
+# change (``add_param_group``, freezing) the partition algorithm takes over again.
+
+
+def _check_imposed(
+    owners: Any, sync_order: Any, params: Sequence[torch.Tensor], world_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validates an imposed partition; returns ``(owners, order)`` as tuples of ints."""
+    n = len(params)
+    if isinstance(owners, (str, bytes)) or not isinstance(owners, Sequence):
+        raise TypeError(
+            f"owners must be a sequence of {n} group ranks (one per param, in global-index "
+            f"order), got {type(owners).__name__}: {owners!r}"
+        )
+    if len(owners) != n:
+        raise ValueError(
+            f"owners has {len(owners)} entries but the optimizer holds {n} params: give one "
+            f"group rank per param, in param-group order."
+        )
+    bad = [
+        (i, o) for i, o in enumerate(owners)
+        if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < world_size
+    ]
+    if bad:
+        raise ValueError(
+            f"owners must be ints in [0, {world_size}) (ranks of the optimizer's group); got "
+            f"(global index, value) {bad[:5]}"
+        )
+    order: tuple[int, ...] = ()
+    if sync_order is not None:
+        if isinstance(sync_order, (str, bytes)) or not isinstance(sync_order, Sequence):
+            raise TypeError(
+                f"sync_order must be a sequence of global param indices or None, got "
+                f"{type(sync_order).__name__}: {sync_order!r}"
+            )
+        seen: set[int] = set()
+        for i in sync_order:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n or i in seen:
+                raise ValueError(
+                    f"sync_order must list distinct global param indices in [0, {n}); got "
+                    f"{type(i).__name__}: {i!r} (repeated or out of range)"
+                )
+            seen.add(i)
+        order = (*sync_order, *(i for i in range(n) if i not in seen))
+    return tuple(int(o) for o in owners), order
+
+
 def _build_layout(
-    param_groups: Sequence[dict[str, Any]], world_size: int, algorithm: str
+    param_groups: Sequence[dict[str, Any]],
+    world_size: int,
+    algorithm: str,
+    imposed: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> _Layout:
+    """The partition: by ``algorithm``, or ``imposed`` ``(owners, order)`` when given."""
     params: list[torch.Tensor] = []
     group_index: list[int] = []
     for gi, group in enumerate(param_groups):
@@ -69,6 +130,8 @@ def _build_layout(
             params.append(p)
             group_index.append(gi)
     trainable = [bool(p.requires_grad) for p in params]
+    if imposed is not None:
+        return _Layout(tuple(params), tuple(group_index), imposed[0], tuple(trainable), imposed[1])
     owner = [i % world_size for i in range(len(params))]
     train_idx = [i for i, t in enumerate(trainable) if t]
     if train_idx:

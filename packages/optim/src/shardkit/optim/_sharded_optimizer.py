@@ -2,14 +2,20 @@
 
 Entry points for shardkit-overlap (which drives the optimizer per DDP bucket from comm hooks):
 
+- ``opt.set_partition(owners, sync_order=...)`` (public, collective) imposes the owner of every
+  param and the layout of the flat sync buffers (one run per DDP bucket and owner).
 - ``opt._step_local(params=None, closure=None, **kwargs)`` runs the local optimizer on this
   rank's shard, restricted to ``params`` when given (params owned by other ranks are ignored),
-  after pushing the wrapper's hyperparameters down and before pulling them back up.
-- ``opt._sync_params(params=None, async_op=False)`` broadcasts the owners' values of ``params``
-  (all when ``None``) using the flat buckets; with ``async_op`` it returns the pending works.
+  after pushing the wrapper's hyperparameters down and before pulling them back up; the cost is
+  O(len(params)), not O(all params).
+- ``opt._sync_params(params=None, async_op=False)`` broadcasts exactly the owners' values of
+  ``params`` (all when ``None``) from the flat buffers; with ``async_op`` it returns the works.
+- ``opt._attach_stepper(name)`` / ``opt._detach_stepper()`` / ``opt._mark_stepped()``: see
+  [Note: External stepper].
 - ``opt.param_to_rank`` / ``opt.owned_params`` tell which rank owns what.
 
-``step()`` is exactly ``_step_local()`` followed by ``_sync_params()``.
+``step()`` is exactly ``_step_local()`` followed by ``_sync_params()`` (when no stepper is
+attached).
 """
 
 from __future__ import annotations
@@ -17,15 +23,15 @@ from __future__ import annotations
 import copy
 import hashlib
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _agree, _resolve_group
-from shardkit.optim._layout import _build_layout, _check_algorithm, _Layout
+from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed, _Layout
 from shardkit.optim._state import (
     _hyperparams,
     _local_groups,
@@ -100,6 +106,12 @@ class ShardedOptimizer(Optimizer):
         self._initialized = False
         self._state_version = 0
         self._consolidated: tuple[int, dict[str, Any]] | None = None
+        # See [Note: Imposed partition]: (param ids, requires_grad mask, owners, order).
+        self._imposed: tuple[tuple[int, ...], bytes, tuple[int, ...], tuple[int, ...]] | None = None
+        self._local_slot: dict[int, int] = {}
+        # See [Note: External stepper].
+        self._stepper: str | None = None
+        self._skip_next_step = False
         super().__init__(params, defaults)
         self.optim: Optimizer
         self._layout: _Layout
@@ -135,8 +147,16 @@ class ShardedOptimizer(Optimizer):
             moved = {id(old.params[i]): st for i, st in (full or {}).items()}
             old_owned = {id(p): dict(st) for p, st in self.optim.state.items() if st}
             self._sync.release(keep=())
-        layout = _build_layout(self.param_groups, self.world_size, self._algorithm)
+        imposed = None
+        if self._imposed is not None:
+            ids, imposed_mask, owners, order = self._imposed
+            if ids == tuple(id(p) for p in params) and imposed_mask == mask:
+                imposed = (owners, order)
+            else:
+                self._imposed = None
+        layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
         local = _local_groups(layout, self.rank, len(self.param_groups))
+        self._local_slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
         groups = [{**_hyperparams(g), "params": ps} for g, ps in zip(self.param_groups, local, strict=True)]
         self.optim = self._optim_cls(groups, **self._optim_defaults)
         self._layout = layout
@@ -163,6 +183,40 @@ class ShardedOptimizer(Optimizer):
         super().add_param_group(param_group)
         if self._initialized:
             self._rebuild(migrate=True)
+
+    def set_partition(
+        self, owners: Sequence[int], *, sync_order: Sequence[int] | None = None
+    ) -> None:
+        """Imposes the owner of every param instead of the partition algorithm's. Collective.
+
+        Existing optimizer state moves to the new owners. The partition stays in force until the
+        params or their ``requires_grad`` flags change (see [Note: Imposed partition]).
+
+        Args:
+            owners: for each param in global-index order (param groups flattened), the rank of
+                the optimizer's group that owns it. Frozen params' entries only say where state
+                they carry lives.
+            sync_order: global param indices in the order to lay them out in the flat
+                broadcast buffers (unlisted params follow in index order); list the params of
+                each communication unit (e.g. a DDP gradient bucket) together so that syncing
+                one unit is one broadcast per owner.
+
+        Raises:
+            TypeError, ValueError: malformed ``owners`` / ``sync_order`` (what was received is
+                in the message), or ranks passing different values (raised on every rank).
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        own, order = _check_imposed(owners, sync_order, params, self.world_size)
+        _agree(
+            hashlib.sha1(repr((own, order)).encode()).hexdigest(),
+            self.group,
+            "set_partition(owners, sync_order) (hash of the values)",
+        )
+        if own == self._layout.owner and order == self._layout.order:
+            return
+        mask = bytes(int(p.requires_grad) for p in params)
+        self._imposed = (tuple(id(p) for p in params), mask, own, order)
+        self._rebuild(migrate=True)
 
     def refresh_trainable(self) -> None:
         """Repartitions after params were frozen or unfrozen, moving their state. Collective.
@@ -234,14 +288,22 @@ class ShardedOptimizer(Optimizer):
         closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Steps this rank's shard only (optionally only ``params``). No communication."""
+        """Steps this rank's shard only (optionally only ``params``). No communication.
+
+        With ``params``, costs O(len(params)) besides the step itself: the local groups are
+        narrowed to the owned ones among ``params`` for the call, then restored.
+        """
         self._push_hyperparams()
         saved: list[list[torch.Tensor]] | None = None
         if params is not None:
-            wanted = {id(p) for p in params}
+            subsets: list[list[torch.Tensor]] = [[] for _ in self.optim.param_groups]
+            for p in params:
+                gi = self._local_slot.get(id(p))
+                if gi is not None:
+                    subsets[gi].append(p)
             saved = [g["params"] for g in self.optim.param_groups]
-            for g in self.optim.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) in wanted]
+            for g, sub in zip(self.optim.param_groups, subsets, strict=True):
+                g["params"] = sub
         try:
             loss = self.optim.step(closure, **kwargs) if closure is not None or kwargs else (
                 self.optim.step()
@@ -265,14 +327,65 @@ class ShardedOptimizer(Optimizer):
     ) -> Any:
         """Steps this rank's shard, then syncs every param from its owner. Collective.
 
+        When a comm hook steps this optimizer (shardkit-overlap), this is the training loop's
+        no-op step after each synchronised backward (see [Note: External stepper]).
+
         Args:
             closure: re-evaluates the model and returns the loss (called once on every rank).
             **kwargs: extra arguments forwarded to the wrapped optimizer's ``step``.
+
+        Raises:
+            RuntimeError: a comm hook steps this optimizer and no synchronised backward ran
+                since the last step, or a closure was given while a comm hook steps it.
         """
+        if self._stepper is not None:
+            return self._consume_external_step(closure)
         self._check_before_step()
         loss = self._step_local(None, closure, **kwargs)
         self._sync_params()
         return loss
+
+    # [Note: External stepper]
+    # A comm hook (shardkit-overlap) may step this optimizer from inside backward, bucket by
+    # bucket. It attaches itself with ``_attach_stepper(name)`` (one at a time) and, once a
+    # backward has stepped every param, calls ``_mark_stepped()``. The training loop keeps its
+    # usual ``optimizer.step()`` (so LR schedulers and GradScaler see a step): while a stepper is
+    # attached, ``step()`` consumes the mark and does nothing else, so the update is never
+    # applied twice. Without a mark it raises: the gradients were not reduced (only ``no_sync()``
+    # backwards ran) or the update was already consumed. A closure would run another backward,
+    # i.e. another hook step, so it is refused. ``_detach_stepper()`` restores the normal step.
+    def _attach_stepper(self, name: str) -> None:
+        if self._stepper is not None:
+            raise RuntimeError(
+                f"this ShardedOptimizer is already stepped by {self._stepper}; an optimizer can "
+                f"be stepped by one comm hook only. Close that one first."
+            )
+        self._stepper = name
+        self._skip_next_step = False
+
+    def _detach_stepper(self) -> None:
+        self._stepper = None
+        self._skip_next_step = False
+
+    def _mark_stepped(self) -> None:
+        self._skip_next_step = True
+        self._state_version += 1
+
+    def _consume_external_step(self, closure: Callable[[], Any] | None) -> None:
+        if closure is not None:
+            raise RuntimeError(
+                f"ShardedOptimizer.step(closure) while {self._stepper} steps this optimizer from "
+                f"its comm hook: the closure's backward would step it a second time. Run the "
+                f"forward/backward in the loop and call step() without a closure."
+            )
+        if not self._skip_next_step:
+            raise RuntimeError(
+                f"ShardedOptimizer.step(): {self._stepper} steps this optimizer from DDP's comm "
+                f"hook, and no backward pass with gradient synchronisation ran since the last "
+                f"step (under ddp.no_sync() the comm hooks do not run, and each backward's "
+                f"update is consumed by one step() call). Run a synchronised backward first."
+            )
+        self._skip_next_step = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of every param (owned or not) on this rank."""
@@ -338,25 +451,42 @@ class ShardedOptimizer(Optimizer):
                 consolidated dict has their entries with ``meta`` tensors of the right shapes
                 (save those with :meth:`local_state_dict` on each owner instead).
         """
+        # Bad arguments raise on every rank: the error rides on the metadata exchange, which
+        # every rank reaches, so a rank with valid arguments never waits for a crashed one.
+        error: Exception | None = None
         if (
             isinstance(recipient_rank, bool)
             or not isinstance(recipient_rank, int)
             or not -1 <= recipient_rank < self.world_size
         ):
-            raise ValueError(
+            error = ValueError(
                 f"recipient_rank must be an int in [-1, {self.world_size}) (a rank of the "
                 f"optimizer's group of size {self.world_size}, or -1 for every rank), got "
                 f"{type(recipient_rank).__name__}: {recipient_rank!r}"
             )
+        elif not (skip is None or callable(cast(object, skip))):
+            error = TypeError(
+                f"skip must be a callable taking a param and returning True for the params whose "
+                f"state is not gathered (e.g. lambda p: p in expert_params), or None; got "
+                f"{type(skip).__name__}: {skip!r}"
+            )
         skipped = set()
-        if skip is not None:
-            skipped = {i for i in self._layout.owned(self.rank) if skip(self._layout.params[i])}
+        if skip is not None and error is None:
+            try:
+                skipped = {
+                    i for i in self._layout.owned(self.rank) if skip(self._layout.params[i])
+                }
+            except Exception as e:  # raised on every rank below, not only here
+                error = e
+        # Drop the previous consolidated copy first, so the peak is one copy, not two.
+        self._consolidated = None
         full = _consolidate(
             _owned_state(self.optim.state, self._layout, self.rank),
             self.group,
             self.rank,
-            recipient_rank,
+            recipient_rank if error is None else 0,
             skipped,
+            error=error,
         )
         if full is None:
             self._consolidated = None

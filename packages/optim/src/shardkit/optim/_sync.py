@@ -1,8 +1,8 @@
 """Parameter synchronisation after the local step: one broadcast per (device, dtype, owner) bucket.
 
 Entry point for shardkit-overlap: ``_ParamSync.sync(params=None, async_op=False)`` broadcasts
-either everything or only the buckets (and, inside them, the smallest contiguous span) holding
-the given params, so a comm hook can sync one DDP bucket's worth of parameters at a time.
+either everything or exactly the given params (one collective per contiguous run of them in a
+flat buffer), so a comm hook can sync one DDP bucket's worth of parameters at a time.
 """
 
 from __future__ import annotations
@@ -30,10 +30,20 @@ __all__: list[str] = []
 # private copy so the old flat buffer can be freed.
 
 
+# [Note: Exact sync spans]
+# ``sync(params)`` broadcasts exactly the given params and nothing else: they are grouped by flat
+# buffer, sorted by offset, and each maximal run of adjacent ones is one broadcast. Widening a run
+# to cover params that were not asked for would race: a comm hook syncs bucket ``b`` while the
+# owner may still be stepping (writing) params of bucket ``b + 1`` in the same buffer, and Gloo
+# may run two async broadcasts into one region on different worker threads in either order. With
+# the buffers laid out by DDP bucket ([Note: Imposed partition]) a bucket is one run per owner.
+
+
 @dataclass
 class _Bucket:
     owner: int
     bucket: ParamBucket
+    index: int
     # id(param) -> (offset, numel) inside ``bucket.buffer``
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     params: list[torch.Tensor] = field(default_factory=list)
@@ -54,7 +64,8 @@ class _ParamSync:
         if self._world_size == 1:
             return
         keyed: dict[tuple[str, str, int], list[torch.Tensor]] = {}
-        for i, p in enumerate(layout.params):
+        for i in layout.order or range(len(layout.params)):
+            p = layout.params[i]
             if not layout.trainable[i]:
                 continue
             key = (str(p.device), str(p.dtype), layout.owner[i])
@@ -63,7 +74,7 @@ class _ParamSync:
             params = keyed[key]
             size = sum(p.numel() for p in params)
             pb = ParamBucket(size, params[0].dtype, params[0].device)
-            entry = _Bucket(owner=key[2], bucket=pb)
+            entry = _Bucket(owner=key[2], bucket=pb, index=len(self.buckets))
             offset = 0
             for p in params:
                 pb.add_param(p)
@@ -89,8 +100,9 @@ class _ParamSync:
         """Broadcasts the owners' values. See [Note: Flat param buckets].
 
         Args:
-            params: only the buckets holding these params (the contiguous span covering them).
-                ``None`` syncs everything. Every rank must pass the same params.
+            params: exactly these params, one broadcast per contiguous run of them in a flat
+                buffer (see [Note: Exact sync spans]); frozen ones are ignored. ``None`` syncs
+                everything. Every rank must pass the same params.
             async_op: return the pending works instead of waiting (fp16 broadcasts always
                 complete before returning, since the received values must be copied back).
         """
@@ -100,16 +112,21 @@ class _ParamSync:
         if params is None:
             spans = [(b, 0, b.bucket.buffer.numel()) for b in self.buckets]
         else:
-            lo_hi: dict[int, tuple[_Bucket, int, int]] = {}
+            pieces: list[tuple[int, int, int]] = []
             for p in params:
                 entry = self._bucket_of.get(id(p))
-                if entry is None:
-                    continue
-                off, n = entry.spans[id(p)]
-                cur = lo_hi.get(id(entry))
-                lo, hi = (off, off + n) if cur is None else (min(cur[1], off), max(cur[2], off + n))
-                lo_hi[id(entry)] = (entry, lo, hi)
-            spans = [lo_hi[k] for k in sorted(lo_hi, key=lambda k: self.buckets.index(lo_hi[k][0]))]
+                if entry is not None:
+                    off, n = entry.spans[id(p)]
+                    pieces.append((entry.index, off, off + n))
+            pieces.sort()
+            for bi, lo, hi in pieces:
+                last = spans[-1] if spans else None
+                if last is not None and last[0].index == bi and last[2] == lo:
+                    spans[-1] = (last[0], last[1], hi)
+                elif last is not None and last[0].index == bi and lo < last[2]:
+                    continue  # the same param given twice
+                else:
+                    spans.append((self.buckets[bi], lo, hi))
         works: list[dist.Work] = []
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, lo, hi in spans:

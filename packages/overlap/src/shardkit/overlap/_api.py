@@ -82,17 +82,20 @@ def register_zero_overlap(
         interleaved: :func:`hook_with_zero_step_interleaved` (default) or
             :func:`hook_with_zero_step`.
         shard_buckets: see :func:`hook_with_zero_step`.
-        grad_scaler: the AMP scaler the loop would use; an enabled one is refused (see the
-            README's support matrix). ``None``: no scaler.
-        max_grad_norm: global-norm clipping the loop would do; refused unless ``None``.
+        grad_scaler: the AMP scaler the loop uses (``shardkit.optim.ShardedGradScaler`` or any
+            ``torch.amp.GradScaler``). When enabled, the hooks only reduce and the step runs in
+            the loop, exactly as without hooks (see [Note: Step placement]). ``None``: none.
+        max_grad_norm: clip by the global gradient norm before each step; like a scaler this
+            moves the step to the loop, where :meth:`ZeroOverlap.step` clips and steps.
 
     Returns:
-        The registered :class:`ZeroOverlap`; call its ``step()`` where the loop steps.
+        The registered :class:`ZeroOverlap`; call its ``step()`` (or ``zero.step()``) where the
+        loop steps.
 
     Raises:
         TypeError: wrong argument types.
         ValueError: params or process groups of ``ddp`` and ``zero`` differ, ranks disagree, or
-            an unsupported combination (enabled scaler, clipping, ``broadcast_fp16``, LBFGS).
+            an unsupported combination (``broadcast_fp16``, LBFGS, ``max_grad_norm <= 0``).
         RuntimeError: a hook was already built for ``ddp`` or ``zero``, or DDP refuses a
             second comm hook.
     """

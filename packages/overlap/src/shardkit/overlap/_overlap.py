@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer
 from shardkit.overlap._config import OverlapConfig
-from shardkit.overlap._ownership import _apply_owners, _ddp_params, _planned_owners
+from shardkit.overlap._ownership import _apply_partition, _ddp_params, _planned_partition
 from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
 from shardkit.overlap._validation import (
     _check_agreement,
@@ -53,6 +53,23 @@ _BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
 # only callback is the one of the last bucket's returned future, which just returns a value once
 # the last reduction and every broadcast have completed. The same code is correct for NCCL,
 # where ``wait()`` only orders the current stream after the reduction.
+# The broadcasts of a bucket cover exactly that bucket's params (shardkit-optim's
+# ``_sync_params``, see [Note: Exact sync spans] there), one per (bucket, owner) once DDP's
+# buckets follow the plan, so they never touch params of a bucket still to be stepped.
+
+
+# [Note: Step placement]
+# Where the sharded step runs, decided at registration and agreed on by every rank:
+# * "bucket" (default): in the comm hook, per bucket, as above.
+# * "after backward" (``find_unused_parameters=True``): see [Note: Unused parameters].
+# * "loop" (an enabled GradScaler, or ``max_grad_norm``): the hooks only reduce and the step
+#   runs in the training loop (``ZeroOverlap.step()`` or the usual ``scaler.step(zero)``),
+#   exactly as without hooks. A scaler's skip decision needs the inf/nan check of *every*
+#   bucket, and global-norm clipping needs the norm of every gradient, before the *first* param
+#   changes; a per-bucket step would have applied earlier buckets already. Stepping anyway and
+#   undoing on inf would need a copy of the owned params and state plus a second broadcast, for
+#   a rare event; the exact, simple placement was chosen. Nothing is overlapped in that mode
+#   beyond DDP's usual reduction/backward overlap.
 
 
 # [Note: Reduced gradients at hook time]
@@ -72,8 +89,10 @@ class ZeroOverlap:
     ``ddp.register_comm_hook``. By the end of every ``backward()`` that synchronises gradients,
     the params are updated and identical on every rank, from the first iteration on.
 
-    Do not call ``zero.step()`` after such a backward (it raises rather than stepping twice);
-    :meth:`step` is the loop's step: a no-op when the hooks stepped.
+    The loop keeps its ``zero.step()`` (or calls :meth:`step`): after such a backward it is a
+    no-op, so the update is never applied twice (see shardkit-optim's [Note: External stepper]).
+    With a declared grad scaler or ``max_grad_norm`` the step runs in the loop instead (see
+    [Note: Step placement]).
     """
 
     def __init__(
@@ -89,20 +108,22 @@ class ZeroOverlap:
         _check_types(hook, ddp, zero, config.shard_buckets)
         if not isinstance(config.interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {config.interleaved!r}")
-        if zero in _BY_OPTIMIZER or ddp in _BY_DDP:
+        if zero in _BY_OPTIMIZER or ddp in _BY_DDP or zero._stepper is not None:
             raise RuntimeError(
                 "an overlap hook is already built for this ShardedOptimizer or this DDP model: "
                 "DDP accepts one comm hook per model and the optimizer can be stepped by one "
                 "hook only. Build it once (call .close() on the old one if you really need to "
                 "replace it)."
             )
-        _check_supported(zero, grad_scaler, max_grad_norm)
+        loop_step = _check_supported(zero, grad_scaler, max_grad_norm)
         _check_groups(ddp, zero)
         named = _ddp_params(ddp)
         _check_params(named, zero)
         # Collective from here on: every rank checks the others agree, then repartitions.
-        _check_agreement(zero, ddp, hook, config.interleaved, config.shard_buckets)
-        _apply_owners(zero, _planned_owners(ddp, zero, config.shard_buckets))
+        _check_agreement(
+            zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step
+        )
+        _apply_partition(zero, _planned_partition(ddp, zero, config.shard_buckets))
 
         self.config = config
         self.zero = zero
@@ -111,18 +132,23 @@ class ZeroOverlap:
         self.__qualname__ = self.__name__
         self._hook = hook
         self._ddp = weakref.ref(ddp)
-        self._deferred = bool(ddp.find_unused_parameters)
+        self._loop_step = loop_step
+        self._deferred = bool(ddp.find_unused_parameters) and not loop_step
+        self._scaler: torch.amp.GradScaler | None = grad_scaler if loop_step else None
+        self._max_grad_norm = max_grad_norm
         self._rank = zero.rank
-        self._src = [dist.get_global_rank(zero.group, r) for r in range(zero.world_size)]
         self._layout: object = None
         self._owner: dict[int, int] = {}
         self._pending: list[tuple[list[torch.Tensor], torch.futures.Future[Any]]] = []
         self._works: list[dist.Work] = []
         self._next_index = 0
         self._stepped = False
-        self._unconsumed = False
         self._closed = False
-        self._guard = zero.register_step_pre_hook(self._guard_step)
+        self.last_grad_norm: torch.Tensor | None = None
+        """The total gradient norm before clipping of the latest :meth:`step` (``max_grad_norm``
+        mode only)."""
+        if not loop_step:
+            zero._attach_stepper(f"the shardkit-overlap hook {self.__name__}")
         _BY_OPTIMIZER[zero] = self
         _BY_DDP[ddp] = self
 
@@ -132,26 +158,41 @@ class ZeroOverlap:
         """Whether the hooks stepped the optimizer in the latest synchronised backward."""
         return self._stepped
 
+    @property
+    def loop_step(self) -> bool:
+        """Whether the step runs in the loop (grad scaler / clipping declared) instead of the hooks."""
+        return self._loop_step
+
     def step(self) -> None:
-        """The training loop's optimizer step: a no-op when the hooks already stepped.
+        """The training loop's optimizer step.
+
+        When the hooks step (default): a no-op consuming the hooks' update, exactly like
+        ``zero.step()``. In loop-step mode: unscale (declared scaler), clip to
+        ``max_grad_norm`` (norm in :attr:`last_grad_norm`), then ``scaler.step(zero)`` or
+        ``zero.step()``; call ``scaler.update()`` afterwards as usual.
 
         Raises:
             RuntimeError: no backward with gradient synchronisation ran since the previous
-                ``step()`` (e.g. only ``no_sync()`` backwards), so there is nothing to step.
+                step (e.g. only ``no_sync()`` backwards), so there is nothing to step.
         """
-        if not self._unconsumed:
-            raise RuntimeError(
-                "ZeroOverlap.step(): no backward pass with gradient synchronisation ran since "
-                "the last step, so the hooks have no update to apply (under ddp.no_sync() the "
-                "comm hooks do not run). Run a synchronised backward first."
-            )
-        self._unconsumed = False
+        if not self._loop_step:
+            self.zero.step()
+            return
+        if self._scaler is not None:
+            self._scaler.unscale_(self.zero)
+        if self._max_grad_norm is not None:
+            self.last_grad_norm = self.zero.clip_grad_norm(self._max_grad_norm)
+        if self._scaler is not None:
+            self._scaler.step(self.zero)
+        else:
+            self.zero.step()
 
     def close(self) -> None:
-        """Stops stepping from the hook (it keeps reducing) and releases ``zero.step()``."""
+        """Stops stepping from the hook (it keeps reducing) and restores ``zero.step()``."""
         self._drain()
+        if not self._closed and not self._loop_step:
+            self.zero._detach_stepper()
         self._closed = True
-        self._guard.remove()
         _BY_OPTIMIZER.pop(self.zero, None)
         ddp = self._ddp()
         if ddp is not None:
@@ -171,7 +212,7 @@ class ZeroOverlap:
             )
         self._next_index = index + 1
         fut = self._hook(state, bucket)
-        if self._closed:
+        if self._closed or self._loop_step:
             return fut
         if self._deferred:
             # See [Note: Unused parameters].
@@ -189,7 +230,8 @@ class ZeroOverlap:
         if not last:
             return fut
         self._next_index = 0
-        self._stepped = self._unconsumed = True
+        self._stepped = True
+        self.zero._mark_stepped()
         works, self._works = self._works, []
         if not works:
             return fut
@@ -235,13 +277,9 @@ class ZeroOverlap:
             finally:
                 for p, g0 in saved:
                     p.grad = g0
-        for p, owner in zip(params, owners, strict=True):
-            work = dist.broadcast(
-                p.detach(), src=self._src[owner], group=self.zero.group, async_op=True
-            )
-            if work is None:
-                raise RuntimeError("an async broadcast returned no work handle")
-            self._works.append(work)
+        # One broadcast per (bucket, owner) run of the flat buffers; see [Note: Gloo-safe
+        # scheduling].
+        self._works.extend(self.zero._sync_params(params, async_op=True))
 
     def _queue_deferred_step(self) -> None:
         _queue_backward_callback(self._deferred_step)
@@ -259,12 +297,5 @@ class ZeroOverlap:
         self.zero._step_local()
         self.zero._sync_params()
         self._next_index = 0
-        self._stepped = self._unconsumed = True
-
-    def _guard_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._stepped and not self._closed:
-            raise RuntimeError(
-                "ShardedOptimizer.step() called after a backward pass whose overlap comm hook "
-                "already stepped it: that would apply the update twice. Drop the "
-                "optimizer.step() call, or call ZeroOverlap.step() (a no-op in that case)."
-            )
+        self._stepped = True
+        self.zero._mark_stepped()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from shardkit.buckets import plan_buckets
@@ -28,8 +26,10 @@ _DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 # buckets DDP is expected to build (``plan_buckets`` with DDP's caps over the params in
 # reverse registration order, i.e. the order backward usually produces gradients), split at
 # param boundaries (``shard_buckets=True``) or whole buckets per rank (``False``), by
-# shardkit-partition's ``shard_buckets``. If DDP ends up with another layout, steps stay
-# exact; only the per-bucket balance differs from the plan.
+# shardkit-partition's ``shard_buckets``, through ``ShardedOptimizer.set_partition`` whose
+# ``sync_order`` lays the flat broadcast buffers out bucket by bucket. If DDP ends up with
+# another layout (its first iteration's single bucket, or a rebuild that differs from the plan),
+# steps stay exact; only the balance and the number of broadcasts differ from the plan.
 
 
 def _ddp_params(ddp: DistributedDataParallel) -> list[tuple[str, torch.nn.Parameter]]:
@@ -42,12 +42,14 @@ def _ddp_params(ddp: DistributedDataParallel) -> list[tuple[str, torch.nn.Parame
     ]
 
 
-def _planned_owners(
+def _planned_partition(
     ddp: DistributedDataParallel, zero: ShardedOptimizer, split: bool
-) -> tuple[int, ...]:
-    """Owner (group rank) of every param of ``zero`` (global index order).
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Owner (group rank) of every param of ``zero`` (global index order), and the sync order.
 
-    See [Note: Bucket-aligned ownership].
+    The sync order lists the params of the planned DDP buckets one bucket after the other, so
+    that shardkit-optim lays its flat broadcast buffers out by DDP bucket: syncing one bucket is
+    then one broadcast per owner. See [Note: Bucket-aligned ownership].
     """
     layout = zero._layout
     index = {id(p): i for i, p in enumerate(layout.params)}
@@ -58,31 +60,13 @@ def _planned_owners(
     assignment = shard_buckets(
         buckets, zero.world_size, params=list(layout.params), split=split
     ).assignment
-    return tuple(
+    owners = tuple(
         int(a) if a >= 0 else int(o) for a, o in zip(assignment, layout.owner, strict=True)
     )
+    return owners, tuple(i for b in buckets for i in b)
 
 
-def _apply_owners(zero: ShardedOptimizer, owners: Sequence[int]) -> None:
-    """Repartitions ``zero`` with the given owners, moving any existing state. Collective.
-
-    shardkit-optim has no entry point to impose an owner map, so its own repartition path
-    (``_rebuild(migrate=True)``, the one ``refresh_trainable`` uses) runs with its layout builder
-    swapped for the duration of the call. Kept in this one function; pinned by a test.
-    """
-    if tuple(zero._layout.owner) == tuple(owners):
-        return
-    from shardkit.optim import _sharded_optimizer as so
-
-    namespace = vars(so)
-    original = namespace["_build_layout"]
-
-    def build(groups: Sequence[dict[str, Any]], world_size: int, algorithm: str) -> Any:
-        layout = original(groups, world_size, algorithm)
-        return dataclasses.replace(layout, owner=tuple(int(o) for o in owners))
-
-    namespace["_build_layout"] = build
-    try:
-        zero._rebuild(migrate=True)
-    finally:
-        namespace["_build_layout"] = original
+def _apply_partition(zero: ShardedOptimizer, partition: tuple[Sequence[int], Sequence[int]]) -> None:
+    """Imposes the planned owners and sync order on ``zero`` (moving any state). Collective."""
+    owners, order = partition
+    zero.set_partition(list(owners), sync_order=list(order))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer
+from shardkit.partition import all_gather_objects
 from torch.nn.parallel import DistributedDataParallel
 
 __all__: list[str] = []
@@ -38,33 +39,42 @@ def _check_types(hook: Any, ddp: Any, zero: Any, shard_buckets: Any) -> None:
         )
 
 
-def _check_supported(zero: ShardedOptimizer, grad_scaler: Any, max_grad_norm: Any) -> None:
-    """Refuses the combinations whose result would be wrong with a per-bucket step."""
-    if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
-        raise ValueError(
-            f"an enabled gradient scaler ({type(grad_scaler).__name__}) cannot be combined with "
-            f"the overlap hooks: the step would run on scaled gradients before the scaler has "
-            f"checked every bucket for inf/nan. Use bf16 autocast (no scaler needed), or train "
-            f"without the hooks: ShardedGradScaler + ShardedOptimizer.step()."
-        )
+def _check_supported(zero: ShardedOptimizer, grad_scaler: Any, max_grad_norm: Any) -> bool:
+    """Refuses what would be wrong with a per-bucket step; returns whether the loop must step.
+
+    See [Note: Step placement]: an enabled scaler or global-norm clipping moves the step to the
+    loop (exact, not overlapped).
+    """
+    scaler_on = False
+    if grad_scaler is not None:
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler (e.g. "
+                f"shardkit.optim.ShardedGradScaler) or None, got "
+                f"{type(grad_scaler).__name__}: {grad_scaler!r}"
+            )
+        scaler_on = grad_scaler.is_enabled()
     if max_grad_norm is not None:
-        raise ValueError(
-            f"max_grad_norm={max_grad_norm!r}: clipping by the global gradient norm needs every "
-            f"gradient before the first bucket is stepped, which defeats the overlap. Train "
-            f"without the hooks (ShardedOptimizer.clip_grad_norm + step), or pass "
-            f"max_grad_norm=None."
-        )
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+            raise TypeError(
+                f"max_grad_norm must be a number or None, got "
+                f"{type(max_grad_norm).__name__}: {max_grad_norm!r}"
+            )
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
     if zero.broadcast_fp16:
         raise ValueError(
-            "ShardedOptimizer(broadcast_fp16=True) is not supported by the overlap hooks (they "
-            "broadcast the updated params in their own dtype); build it with "
-            "broadcast_fp16=False."
+            "ShardedOptimizer(broadcast_fp16=True) is not supported by the overlap hooks: a "
+            "receiver's param would hold the fp16 rounding while its owner keeps fp32, and the "
+            "hooks sync bucket by bucket while other buckets are still being stepped. Build it "
+            "with broadcast_fp16=False."
         )
     if isinstance(zero.optim, torch.optim.LBFGS):
         raise ValueError(
             "torch.optim.LBFGS needs a closure re-evaluating the whole model, which a per-bucket "
             "step inside backward cannot provide; use it without the overlap hooks."
         )
+    return scaler_on or max_grad_norm is not None
 
 
 def _check_groups(ddp: DistributedDataParallel, zero: ShardedOptimizer) -> None:
@@ -105,12 +115,13 @@ def _check_params(
 
 def _check_agreement(
     zero: ShardedOptimizer, ddp: DistributedDataParallel, hook: Callable[..., Any],
-    interleaved: bool, shard_buckets: bool,
+    interleaved: bool, shard_buckets: bool, loop_step: bool,
 ) -> None:
     """All ranks must register the same thing, or all raise (no hang later)."""
     mine = (
         interleaved,
         shard_buckets,
+        loop_step,
         getattr(hook, "__qualname__", type(hook).__qualname__),
         bool(ddp.find_unused_parameters),
         bool(ddp.static_graph),
@@ -119,12 +130,12 @@ def _check_agreement(
             repr([(tuple(p.shape), str(p.dtype)) for p in zero._layout.params]).encode()
         ).hexdigest(),
     )
-    gathered: list[Any] = [None] * zero.world_size
-    dist.all_gather_object(gathered, mine, group=zero.group)
+    gathered = all_gather_objects(mine, zero.group)
     if any(g != gathered[0] for g in gathered):
         detail = ", ".join(f"rank {r}: {g!r}" for r, g in enumerate(gathered))
         raise ValueError(
-            f"ranks disagree on the overlap registration (interleaved, shard_buckets, hook, "
+            f"ranks disagree on the overlap registration (interleaved, shard_buckets, loop step "
+            f"(scaler/clipping), hook, "
             f"find_unused_parameters, static_graph, gradient_as_bucket_view, params hash): "
             f"{detail}. Every rank must register the same hook on the same model."
         )

@@ -2,7 +2,8 @@
 
 ``torch.distributed.autograd.get_gradients`` raises a plain ``RuntimeError`` when the worker has
 never seen the given context. There is no public predicate for "this worker knows the context",
-so we recognise that error by its message. ``tests/test_torch_compat.py`` pins the message.
+so we recognise that error by its message.
+``tests/test_distributed.py::test_unknown_context_on_owner_means_no_gradients`` pins it.
 """
 
 from __future__ import annotations
