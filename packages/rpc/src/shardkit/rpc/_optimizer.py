@@ -203,7 +203,10 @@ class DistributedOptimizer:
             for owner, specs in per_owner.items()
         }
         created = self._run("__init__", calls, float(UNSET_RPC_TIMEOUT))
-        self._remote: dict[str, Any] = {owner: created[owner][0] for owner in self._owners}
+        # The RRefs keep the owners' optimizers alive; steps name them by handle.
+        # See [Note: Optimizer handles].
+        self._owner_rrefs: dict[str, Any] = {owner: created[owner][0] for owner in self._owners}
+        self._remote: dict[str, int] = {owner: created[owner][1] for owner in self._owners}
 
         # [Note: Hyper-parameter forwarding]
         # `param_groups` on the trainer is authoritative for options. `_synced[g]` is a snapshot
@@ -216,7 +219,7 @@ class DistributedOptimizer:
         for g, group in enumerate(groups):
             owner = next(o for o in self._owners if g in self._owner_groups[o])
             local_index = self._owner_groups[owner].index(g)
-            reported = created[owner][1][local_index]
+            reported = created[owner][2][local_index]
             self.param_groups.append({"params": group["params"], **reported})
         self._params_lists = [group["params"] for group in self.param_groups]
         self._synced: list[dict[str, Any]] = [

@@ -1,0 +1,155 @@
+"""Step latency and trainer throughput: shardkit.rpc vs torch's DistributedOptimizer.
+
+Setup (every case): 3 processes over TensorPipe on localhost; worker0 is the trainer, the model
+is one parameter of ``numel / 2`` elements on each of the 2 owner workers (worker1, worker2).
+A training step is: forward (one RPC per owner, ``(p * 1).sum()`` computed on the owner), the
+distributed backward, then ``opt.step(context_id)`` with SGD(lr=1). torch's DistributedOptimizer
+takes its default path for SGD (the TorchScript functional optimizer, no lock).
+
+Measured on the trainer, alternating torch / shardkit blocks in one run to share the noise:
+- step latency: median seconds of ``opt.step(context_id)`` alone, per thread;
+- throughput: full training steps per second over all trainer threads;
+- lost updates: the gradient is constant (1 per element), so after N applied steps every element
+  is exactly -N; how many updates the worst element lacks.
+
+Ratios are shardkit / torch (latency: lower is better, target <= 1.0; throughput: higher is
+better). With several threads torch's steps run concurrently and unlocked (and may lose updates),
+shardkit's are serialised per owner (exact), so the throughput ratio there prices exactness.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from shardkit.rpc import DistributedOptimizer
+
+_PATH = os.path.abspath(__file__)
+_PARAMS: dict[str, torch.nn.Parameter] = {}
+_ONES: dict[int, torch.Tensor] = {}
+
+
+def _make(tag: str, numel: int) -> Any:
+    _PARAMS[tag] = torch.nn.Parameter(torch.zeros(numel))
+    _ONES.setdefault(numel, torch.ones(numel))
+    return rpc.RRef(_PARAMS[tag])
+
+
+def _forward(tag: str) -> torch.Tensor:
+    p = _PARAMS[tag]
+    return (p * _ONES[p.numel()]).sum()
+
+
+def _min_value(tag: str) -> float:
+    return float(_PARAMS.pop(tag).detach().min())
+
+
+def _optimizer(impl: str, rrefs: list[Any]) -> Any:
+    if impl == "shardkit":
+        return DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+
+
+def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[str, float]:
+    """``threads`` trainer threads x ``steps`` steps with a fresh model and optimizer."""
+    owners = ("worker1", "worker2")
+    tags = [f"{tag}-{owner}" for owner in owners]
+    rrefs = [rpc.rpc_sync(o, _make, args=(t, numel // 2)) for o, t in zip(owners, tags, strict=True)]
+    opt = _optimizer(impl, rrefs)
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            for _ in range(steps):
+                with dist_autograd.context() as cid:
+                    futs = [rpc.rpc_async(o, _forward, args=(t,)) for o, t in zip(owners, tags, strict=True)]
+                    loss = torch.stack([f.wait() for f in futs]).sum()
+                    dist_autograd.backward(cid, [loss])
+                    start = time.perf_counter()
+                    opt.step(cid)
+                    latencies.append(time.perf_counter() - start)
+        except BaseException as err:
+            errors.append(err)
+
+    pool = [threading.Thread(target=trainer) for _ in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    total = threads * steps
+    lost = max(total + rpc.rpc_sync(o, _min_value, args=(t,)) for o, t in zip(owners, tags, strict=True))
+    return {
+        "latency": statistics.median(latencies),
+        "throughput": total / elapsed,
+        "lost": lost,
+    }
+
+
+def _body_compare(rank: int, numel: int, threads: int, steps: int, rounds: int) -> Any:
+    if rank != 0:
+        return None
+    _block("torch", "warm-t", numel, 1, 3)  # compile / first-touch costs out of the figures
+    _block("shardkit", "warm-s", numel, 1, 3)
+    runs: dict[str, list[dict[str, float]]] = {"torch": [], "shardkit": []}
+    for r in range(rounds):
+        for impl in ("torch", "shardkit") if r % 2 == 0 else ("shardkit", "torch"):
+            runs[impl].append(_block(impl, f"{impl}{r}", numel, threads, steps))
+    return {
+        impl: {
+            "latency": statistics.median(b["latency"] for b in blocks),
+            "throughput": statistics.median(b["throughput"] for b in blocks),
+            "lost": max(b["lost"] for b in blocks),
+        }
+        for impl, blocks in runs.items()
+    }
+
+
+_CASES = [
+    pytest.param(4096, 1, 200, id="4k-params-1-thread"),
+    pytest.param(4096, 4, 50, id="4k-params-4-threads"),
+    pytest.param(4 * 1024 * 1024, 1, 20, id="4M-params-1-thread"),
+    pytest.param(4 * 1024 * 1024, 4, 8, id="4M-params-4-threads"),
+]
+
+
+@pytest.mark.parametrize(("numel", "threads", "steps"), _CASES)
+def test_step(benchmark: Any, rpc_world: Any, numel: int, threads: int, steps: int) -> None:
+    rounds = 4
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(rpc_world.run(_PATH, "_body_compare", numel, threads, steps, rounds, timeout=600)[0])
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    torch_r, shard_r = result["torch"], result["shardkit"]
+    benchmark.extra_info.update(
+        {
+            "step_latency_ratio_vs_torch": shard_r["latency"] / torch_r["latency"],
+            "throughput_ratio_vs_torch": shard_r["throughput"] / torch_r["throughput"],
+            "shardkit_step_latency_ms": shard_r["latency"] * 1e3,
+            "torch_step_latency_ms": torch_r["latency"] * 1e3,
+            "shardkit_steps_per_s": shard_r["throughput"],
+            "torch_steps_per_s": torch_r["throughput"],
+            "shardkit_lost_updates": shard_r["lost"],
+            "torch_lost_updates": torch_r["lost"],
+            "load_average_1min": os.getloadavg()[0],
+        }
+    )
+    assert shard_r["lost"] == 0.0, result
