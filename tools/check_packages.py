@@ -505,13 +505,32 @@ def check_wheel(pkg: Package, wheel: Path, version: str) -> list[str]:
             f"hatchling built version {meta.get('Version')!r} but __about__.py says {version!r}"
         )
     try:
-        built = sorted(_req_tuple(parse_requirement(r)) for r in meta.get_all("Requires-Dist", []))
+        everything = [_req_tuple(parse_requirement(r)) for r in meta.get_all("Requires-Dist", [])]
         declared = sorted(_req_tuple(r) for r in pkg.dependencies())
+        declared_extras = sorted(
+            (key, specs, group)
+            for where, text in pkg.requirement_strings()
+            if where.startswith("optional-dependencies.")
+            for group in [where.split(".", 1)[1]]
+            for key, specs, _ in [_req_tuple(parse_requirement(text))]
+        )
     except (InvalidRequirement, ToolError) as exc:
         return [*problems, f"cannot compare requirements: {exc}"]
+    # Requirements of an optional group carry an `extra == "group"` marker in the wheel.
+    built = sorted(r for r in everything if "extra==" not in r[2])
+    built_extras = sorted(
+        (key, specs, marker.split("extra==", 1)[1].strip("'\""))
+        for key, specs, marker in everything
+        if "extra==" in marker
+    )
     if built != declared:
         problems.append(
             f"wheel Requires-Dist {built} differs from [project].dependencies {declared}"
+        )
+    if built_extras != declared_extras:
+        problems.append(
+            f"wheel extras {built_extras} differ from [project].optional-dependencies "
+            f"{declared_extras}"
         )
     return problems
 

@@ -195,6 +195,11 @@ def test_dynamic_install_alone(
             "sub/__init__.py": "from .. import public\n",
         },
     )
+    # An optional group: its requirements carry an `extra` marker in the wheel and still match.
+    pyproject = repo / "packages/solo/pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text() + '\n[project.optional-dependencies]\nfast = ["torch>=2.5"]\n'
+    )
     rc = check_packages.main(
         ["--root", str(repo), "--package", "solo", "--work-dir", str(repo / "work")]
     )
