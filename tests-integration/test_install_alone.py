@@ -44,13 +44,7 @@ def _package_names() -> list[str]:
 
 
 # Known failures, routed to their owners; strict, so each mark must go once its bug is fixed.
-_KNOWN: dict[str, str] = {
-    "rpc": (
-        "torch 2.13's TensorPipe rpc.init_rpc calls dist.all_gather_object (device-map "
-        "exchange), which needs NumPy; shardkit-rpc does not declare numpy, so installed alone "
-        "it cannot start an RPC session (RuntimeError: Numpy is not available)"
-    ),
-}
+_KNOWN: dict[str, str] = {}
 
 
 def _params() -> list[Any]:
