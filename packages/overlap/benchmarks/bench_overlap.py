@@ -1,9 +1,9 @@
 """Step time: plain DDP + Adam, ShardedOptimizer without hooks, and the two overlap hooks.
 
 Gloo, world 2, 8 x (Linear(2048, 2048) + GELU), batch 32, Adam (the shardkit-optim benchmark's
-model). Each variant runs in its own pair of spawned processes, one after the other in the same
-run; the figure is the median step (zero_grad + forward + backward + step) after one warm-up
-step. Run with
+model). One pair of spawned processes builds the four variants and runs them in turn, one step
+each per round, so load changes on a shared machine hit all variants alike; the figure is the
+median step (zero_grad + forward + backward + step) after one warm-up round. Run with
 ``python3 -m pytest -o python_files='bench_*.py' packages/overlap/benchmarks -q -s``.
 Set ``SHARDKIT_BENCH_STEPS`` (default 8) and ``SHARDKIT_BENCH_WIDTH`` (default 2048). With two
 or more CUDA GPUs the same variants also run on NCCL.
@@ -29,15 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 _VARIANTS = ["ddp_adam", "sharded_no_hook", "hook_with_zero_step", "hook_interleaved"]
 
 
-def _worker(
-    rank: int, variant: str, backend: str, port: int, out: str, steps: int, width: int
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=2)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
+def _build(variant: str, width: int, device: torch.device) -> tuple[DDP, Any, Any]:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(8):
@@ -57,41 +49,56 @@ def _worker(
             overlap = register_zero_overlap(
                 ddp, opt, interleaved=variant == "hook_interleaved", shard_buckets=True
             )
+    return ddp, opt, overlap
+
+
+def _worker(
+    rank: int, backend: str, port: int, out: str, steps: int, width: int
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    runs = {v: _build(v, width, device) for v in _VARIANTS}
     x = torch.randn(32, width, device=device)
-    times = []
+    times: dict[str, list[float]] = {v: [] for v in _VARIANTS}
+    # The variants take turns step by step in the same processes, so that a change of load on
+    # a shared machine hits all of them alike (ratios are then comparable within one run).
     for s in range(steps + 1):
-        dist.barrier()
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        if overlap is None:
-            opt.step()
-        else:
-            overlap.step()
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        if s > 0:
-            times.append(time.perf_counter() - t0)
+        for v in _VARIANTS:
+            ddp, opt, _ = runs[v]
+            dist.barrier()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()  # with the hooks: a no-op consuming their update
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            if s > 0:  # step 0: warm-up, DDP rebuilds its buckets
+                times[v].append(time.perf_counter() - t0)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_s": statistics.median(times)}, f)
-    if overlap is not None:
-        overlap.close()
+            json.dump({v: statistics.median(t) for v, t in times.items()}, f)
+    for _, _, overlap in runs.values():
+        if overlap is not None:
+            overlap.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(variant: str, backend: str, steps: int, width: int) -> float:
+def _run(backend: str, steps: int, width: int) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
-        mp.spawn(_worker, args=(variant, backend, port, out, steps, width), nprocs=2, join=True)
+        mp.spawn(_worker, args=(backend, port, out, steps, width), nprocs=2, join=True)
         with open(out) as f:
-            return float(json.load(f)["step_s"])
+            return {k: float(v) for k, v in json.load(f).items()}
 
 
 def _bench(benchmark: Any, backend: str) -> None:
@@ -100,8 +107,7 @@ def _bench(benchmark: Any, backend: str) -> None:
     results: dict[str, float] = {}
 
     def run_all() -> None:
-        for v in _VARIANTS:
-            results[v] = _run(v, backend, steps, width)
+        results.update(_run(backend, steps, width))
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     base = results["ddp_adam"]

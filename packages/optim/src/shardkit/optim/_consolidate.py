@@ -148,8 +148,8 @@ def _consolidate(
     """
     world = dist.get_world_size(group)
     tensors, values = _describe(local, skipped)
-    # See [Note: Object collectives without NumPy].
     order = {idx: list(entry) for idx, entry in local.items()}
+    # See [Note: Object collectives without NumPy].
     gathered = all_gather_objects(
         (recipient, tensors, values, None if error is None else str(error), order), group
     )
@@ -223,8 +223,12 @@ def _consolidate(
                             host[off : off + n].copy_(wire)
                     else:
                         dst = _global_rank(group, recipient)
-                        works.append(dist.isend(wire, dst=dst, group=group, tag=tag))
-                        wires.append(wire)
+                        work = dist.isend(wire, dst=dst, group=group, tag=tag)
+                        if work is not None and gloo_direct:
+                            works.append(work)
+                            wires.append(wire)
+                        elif work is not None:
+                            work.wait()  # a device wire may be a staged copy: one at a time
                 elif host is not None:
                     dest = host[off : off + n]
                     if gloo_direct and recipient == -1:

@@ -212,10 +212,10 @@ class ShardedOptimizer(Optimizer):
             self.group,
             "set_partition(owners, sync_order) (hash of the values)",
         )
-        if own == self._layout.owner and order == self._layout.order:
-            return
         mask = bytes(int(p.requires_grad) for p in params)
         self._imposed = (tuple(id(p) for p in params), mask, own, order)
+        if own == self._layout.owner and order == self._layout.order:
+            return
         self._rebuild(migrate=True)
 
     def refresh_trainable(self) -> None:

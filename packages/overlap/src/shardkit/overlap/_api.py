@@ -52,9 +52,10 @@ def hook_with_zero_step_interleaved(
 ) -> ZeroOverlap:
     """Wraps ``hook`` so that each bucket is stepped and broadcast while backward goes on.
 
-    When bucket ``b``'s reduction has been launched, bucket ``b - 1`` (whose reduction has had
-    the time of computing bucket ``b``'s gradients to complete) is stepped by its owners and
-    broadcast; the last bucket is handled in its own hook call. Prefer it when communication
+    When bucket ``b``'s reduction has been launched, bucket ``b - 2`` (whose reduction has had
+    the time of computing two buckets' gradients to complete) is stepped by its owners and
+    broadcast; the remaining buckets are handled in the last bucket's hook call (see
+    ``[Note: Interleave lag]``). Prefer it when communication
     is fast relative to computation. Collective, like :func:`hook_with_zero_step`.
     """
     return ZeroOverlap(hook, ddp, zero, OverlapConfig(interleaved=True, shard_buckets=shard_buckets))

@@ -12,8 +12,9 @@ class OverlapConfig:
     """How the sharded optimizer step is scheduled against DDP's gradient buckets."""
 
     interleaved: bool = True
-    """Step and broadcast each bucket right after the next bucket's reduction is launched
-    (``True``), or step every bucket once the last bucket's reduction is launched (``False``)."""
+    """Step and broadcast each bucket once the reduction of the bucket two places later is
+    launched (``True``, see [Note: Interleave lag]), or step every bucket once the last
+    bucket's reduction is launched (``False``)."""
 
     shard_buckets: bool = False
     """Split each DDP bucket across ranks at parameter boundaries (``True``) or give whole

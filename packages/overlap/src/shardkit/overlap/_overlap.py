@@ -48,10 +48,10 @@ _BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
 # behind it on the same small worker pool: a deadlock once every worker waits.
 # Here no collective is ever issued, and nothing ever waits, inside a future callback. Every
 # collective is issued by the thread that calls the comm hook (the autograd thread), in an order
-# fixed by the bucket indices alone: reduce b, then [wait reduce b-1, step b-1, broadcast b-1]
-# (interleaved) or, at the last bucket, [wait reduce k, step k, broadcast k] for every k. The
-# only callback is the one of the last bucket's returned future, which just returns a value once
-# the last reduction and every broadcast have completed. The same code is correct for NCCL,
+# fixed by the bucket indices alone: reduce b, then [wait reduce b-2, step b-2, broadcast b-2]
+# (interleaved, see [Note: Interleave lag]) or, at the last bucket, [wait reduce k, step k,
+# broadcast k] for every k. The only callback is the one of the last bucket's returned future,
+# which just returns a value once the last reduction and every broadcast have completed. The same code is correct for NCCL,
 # where ``wait()`` only orders the current stream after the reduction.
 # The broadcasts of a bucket cover exactly that bucket's params (shardkit-optim's
 # ``_sync_params``, see [Note: Exact sync spans] there), one per (bucket, owner) once DDP's
@@ -70,6 +70,18 @@ _BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
 #   undoing on inf would need a copy of the owned params and state plus a second broadcast, for
 #   a rare event; the exact, simple placement was chosen. Nothing is overlapped in that mode
 #   beyond DDP's usual reduction/backward overlap.
+
+
+# [Note: Interleave lag]
+# The interleaved hook steps and broadcasts bucket ``b - 2`` in the hook call of bucket ``b``,
+# not ``b - 1``. A process group runs its async collectives from a FIFO queue on a small pool of
+# worker threads. With a lag of 1, the broadcast of bucket ``b - 1`` is queued right before the
+# reduction of bucket ``b + 1``, and the next hook call immediately waits for the reduction of
+# bucket ``b``, which then competes with that broadcast: each wait is stretched by the previous
+# broadcast and backward stalls (measured: the lag-1 hook was slower than no hook at all, see the
+# README). With a lag of 2, the reduction being waited for was queued before every broadcast
+# issued since, and has had two buckets' worth of backward to complete.
+_INTERLEAVE_LAG = 2
 
 
 # [Note: Reduced gradients at hook time]
@@ -223,7 +235,7 @@ class ZeroOverlap:
         last = bucket.is_last()
         # See [Note: Gloo-safe scheduling].
         if self.config.interleaved or last:
-            keep = 0 if last else 1
+            keep = 0 if last else _INTERLEAVE_LAG
             while len(self._pending) > keep:
                 params, done = self._pending.pop(0)
                 self._step_and_broadcast(params, done)
