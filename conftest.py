@@ -15,3 +15,6 @@ settings.register_profile(
     derandomize=os.environ.get("CI", "").lower() == "true",
 )
 settings.load_profile("shardkit")
+
+# shardkit-testing's own tests run inner pytest sessions (a hanging test, a failing rank, ...).
+pytest_plugins = ["pytester"]

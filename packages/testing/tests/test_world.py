@@ -52,6 +52,20 @@ def test_fixture_value_is_shared(tmp_path: os.PathLike[str]) -> None:
     assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
 
 
+@world(2)
+def test_monkeypatch_on_ranks_is_undone_part1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 99)
+    monkeypatch.setenv("SHARDKIT_LEAK_CHECK", "leaked")
+    assert dist.get_world_size() == 99
+
+
+@world(2)
+def test_monkeypatch_on_ranks_is_undone_part2() -> None:
+    # Same reused world as part 1 (it runs right after it): nothing leaked.
+    assert dist.get_world_size() == 2
+    assert "SHARDKIT_LEAK_CHECK" not in os.environ
+
+
 @world(1, backend="nccl")
 def test_nccl_allreduce() -> None:
     t = torch.ones(2, device="cuda")

@@ -84,6 +84,7 @@ def _run(job: RunJob, rank: int) -> JobResult:
         if entry not in sys.path:
             sys.path.append(entry)
     outcome, detail = "passed", ""
+    kwargs: dict[str, Any] = {}
     try:
         kwargs = pickle.loads(job.kwargs_blob)
         body = _resolve(_load_module(job.path), job.qualname)
@@ -93,6 +94,14 @@ def _run(job: RunJob, rank: int) -> JobResult:
             outcome, detail = "skipped", str(getattr(exc, "msg", exc))
         else:
             outcome, detail = "failed", traceback.format_exc()
+    finally:
+        # [Note: Fixtures with teardown on reused ranks]
+        # A fixture value reaches the ranks as a pickled copy, so its teardown in the pytest
+        # process cannot undo what the body did with it on a rank: a monkeypatch would leak
+        # into every later test of the (reused) world. Undo rank-side patches here.
+        for value in kwargs.values():
+            if isinstance(value, pytest.MonkeyPatch):
+                value.undo()
     sys.stdout.flush()
     sys.stderr.flush()
     healthy = dist.is_initialized()
