@@ -184,9 +184,11 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
         load_sharded(zero, ckpt)
     optimizer_step = zero.step
     overlapped = register_zero_overlap is not None and not args.no_overlap
+    overlap = None
     if overlapped:
         # The step of each gradient bucket runs inside DDP's comm hook, during backward.
-        optimizer_step = register_zero_overlap(ddp, zero, interleaved=True, shard_buckets=True).step
+        overlap = register_zero_overlap(ddp, zero, interleaved=True, shard_buckets=True)
+        optimizer_step = overlap.step
 
     table = markov_chain()
     g = torch.Generator().manual_seed(1000 * (start_step + 1) + rank)
@@ -232,6 +234,9 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
     if rank == 0:
         log = Path(args.out) / f"loss-{phase}.json"
         log.write_text(json.dumps(losses))
+    if overlap is not None:
+        overlap.close()
+    dist.barrier()  # nobody tears the group down while another rank still writes or reads
 
 
 def _spawned(rank: int, world_size: int, init_file: str, args: argparse.Namespace, phase: str) -> None:
