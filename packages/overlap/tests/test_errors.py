@@ -18,6 +18,7 @@ from shardkit.overlap import (
 from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
 from shardkit.testing import world
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -179,3 +180,27 @@ def test_no_double_step() -> None:
     finally:
         overlap.close()
     zero.step()  # close() restores the normal step
+
+
+@world(2)
+def test_reduce_to_owner_errors() -> None:
+    _, ddp, zero = _setup()
+    with pytest.raises(TypeError, match="reduce_to_owner must be a bool"):
+        hook_with_zero_step(allreduce_hook, ddp, zero, reduce_to_owner=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="only works with the default allreduce_hook"):
+        hook_with_zero_step_interleaved(
+            default_hooks.fp16_compress_hook, ddp, zero, reduce_to_owner=True
+        )
+    with pytest.raises(ValueError, match="cannot be combined with an enabled grad_scaler"):
+        register_zero_overlap(ddp, zero, max_grad_norm=1.0, reduce_to_owner=True)
+    scaler = ShardedGradScaler("cpu", group=zero.group)
+    with pytest.raises(ValueError, match="cannot be combined with an enabled grad_scaler"):
+        register_zero_overlap(ddp, zero, grad_scaler=scaler, reduce_to_owner=True)
+    # ranks disagreeing raise on every rank, nothing left registered
+    with pytest.raises(ValueError, match="ranks disagree on the overlap registration"):
+        register_zero_overlap(ddp, zero, reduce_to_owner=dist.get_rank() == 0)
+    overlap = register_zero_overlap(ddp, zero, reduce_to_owner=True)
+    assert overlap.config.reduce_to_owner
+    _train_step(ddp)
+    overlap.step()
+    overlap.close()

@@ -4,6 +4,11 @@ Tolerance: every comparison uses ``torch.testing.assert_close(rtol=1e-6, atol=1e
 reference DDP reduces with the same comm hook, so the reduced gradients are bitwise equal and
 the optimizers run the same elementwise math; the tolerance only absorbs foreach-vs-subset
 kernel grouping, which has been exact in practice.
+
+``reduce_to_owner=True`` replaces the all-reduce by reduces of the same pre-divided addends to
+the owners: bitwise equal at world 2 (a + b), possibly the last bit apart at world 3 (the
+backend's reduce may sum in another order than its all-reduce). The same tolerance applies
+(a last-bit gradient difference moves an SGD/Adam update by ~1e-7 relative, far below it).
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ def _run(
     group: dist.ProcessGroup | None = None,
     steps: int = STEPS,
     device: str = "cpu",
+    reduce_to_owner: bool = False,
+    accumulate: bool = False,
 ) -> None:
     cls, kw = _OPTIMS[optim]
     net = _Net(frozen=frozen, branch=branch).to(device)
@@ -101,13 +108,28 @@ def _run(
     zero = ShardedOptimizer(_groups(net, two_groups), cls, group=group, **kw)
     ref_opt = cls(_groups(ref_net, two_groups), **kw)
     build = hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
-    overlap = build(hook, ddp, zero, shard_buckets=shard_buckets)
+    overlap = build(hook, ddp, zero, shard_buckets=shard_buckets, reduce_to_owner=reduce_to_owner)
     ddp.register_comm_hook(group, overlap)
+    owned = {id(p) for p in zero.owned_params}
     try:
         for step in range(steps):
+            if accumulate:  # a local no_sync() backward first: grads accumulate unreduced
+                xa, ya = (t.to(device) for t in _batch(step + 50))
+                with ddp.no_sync(), ref.no_sync():
+                    nn.functional.mse_loss(ddp(xa, step), ya).backward()
+                    nn.functional.mse_loss(ref(xa, step), ya).backward()
             x, y = (t.to(device) for t in _batch(step))
             nn.functional.mse_loss(ddp(x, step), y).backward()
             nn.functional.mse_loss(ref(x, step), y).backward()
+            if reduce_to_owner:
+                # owned grads: DDP's average; non-owned: zeros (see [Note: Reduce to owner])
+                for p, q in zip(net.parameters(), ref_net.parameters(), strict=True):
+                    if p.grad is None or q.grad is None:
+                        assert p.grad is None and q.grad is None
+                    elif id(p) in owned:
+                        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+                    else:
+                        assert not p.grad.any()
             overlap.step()
             ref_opt.step()
             zero.zero_grad()
@@ -175,6 +197,109 @@ def test_sub_group(interleaved: bool) -> None:
     if dist.get_rank() == 0:
         return
     _run(group=group, interleaved=interleaved, shard_buckets=True)
+
+
+@world(2)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_reduce_to_owner(optim: str, interleaved: bool) -> None:
+    _run(optim=optim, interleaved=interleaved, shard_buckets=interleaved, reduce_to_owner=True)
+
+
+@world(2)
+@pytest.mark.parametrize("static_graph", [True, False])
+@pytest.mark.parametrize("bucket_view", [True, False])
+def test_reduce_to_owner_ddp_modes(static_graph: bool, bucket_view: bool) -> None:
+    _run(
+        static_graph=static_graph, bucket_view=bucket_view, interleaved=not bucket_view,
+        shard_buckets=static_graph, steps=5, reduce_to_owner=True,
+    )
+
+
+@world(2)
+@pytest.mark.parametrize("reduce_to_owner", [True, False])
+def test_no_sync_accumulation(reduce_to_owner: bool) -> None:
+    _run(optim="sgd", reduce_to_owner=reduce_to_owner, accumulate=True)
+
+
+@world(3)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_reduce_to_owner_world3(optim: str, interleaved: bool) -> None:
+    _run(
+        optim=optim, interleaved=interleaved, shard_buckets=not interleaved, two_groups=True,
+        frozen=True, reduce_to_owner=True,
+    )
+
+
+@world(2)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_reduce_to_owner_unused_params(interleaved: bool) -> None:
+    _run(optim="adam", branch=True, interleaved=interleaved, reduce_to_owner=True)
+
+
+@world(3)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_reduce_to_owner_sub_group(interleaved: bool) -> None:
+    """Ranks {1, 2} of 3: ``dst`` of the reduces must be global ranks."""
+    group = dist.new_group([1, 2])
+    if dist.get_rank() == 0:
+        return
+    _run(group=group, interleaved=interleaved, shard_buckets=True, reduce_to_owner=True)
+
+
+def _count_traffic(reduce_to_owner: bool) -> dict[str, list[int]]:
+    """Per collective kind, the numel of every call in backward steps 2-3 (rebuilt buckets)."""
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=0.0006)
+    zero = ShardedOptimizer(net.parameters(), torch.optim.Adam, lr=0.01)
+    overlap = register_zero_overlap(
+        ddp, zero, shard_buckets=True, reduce_to_owner=reduce_to_owner
+    )
+    seen: dict[str, list[int]] = {"all_reduce": [], "reduce": [], "broadcast": []}
+    originals = {name: getattr(dist, name) for name in seen}
+
+    def counting(name: str) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            seen[name].append(tensor.numel())
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for step in range(3):
+            if step == 1:
+                for name in seen:
+                    setattr(dist, name, counting(name))
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            overlap.step()
+            zero.zero_grad()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        overlap.close()
+    return seen
+
+
+@world(2)
+def test_reduce_to_owner_moves_two_thirds_of_the_bytes() -> None:
+    """All-reduce (~2x the bytes: reduce-scatter + all-gather) + broadcast = 3x the gradient
+    bytes; reduce (1x) + broadcast = 2x, with no all-reduce at all."""
+    n = sum(p.numel() for p in _Net().parameters()) * 2  # two counted steps
+    plain = _count_traffic(reduce_to_owner=False)
+    owner = _count_traffic(reduce_to_owner=True)
+    assert sum(plain["all_reduce"]) == n and not plain["reduce"]
+    assert sum(plain["broadcast"]) == n
+    assert sum(owner["reduce"]) == n and not owner["all_reduce"]
+    assert sum(owner["broadcast"]) == n
+    wire_plain = 2 * sum(plain["all_reduce"]) + sum(plain["broadcast"])
+    wire_owner = sum(owner["reduce"]) + sum(owner["broadcast"])
+    assert (wire_plain, wire_owner) == (3 * n, 2 * n)
+    # one reduce per run of same-owner params in bucket order (DDP's gradient-ready order may
+    # interleave owners where the flat buffers keep them together: a few more reduces than
+    # broadcasts, never more bytes)
+    assert len(plain["broadcast"]) <= len(owner["reduce"]) <= 2 * len(plain["broadcast"])
 
 
 _SEEN: list[int] = []

@@ -37,17 +37,6 @@ class ParamBucket(_FlatBucket):
         dist.broadcast(bucket.buffer, src=0)  # one call syncs every param
     """
 
-    def __init__(
-        self,
-        size: int,
-        dtype: torch.dtype,
-        device: torch.device | str | int,
-        *,
-        alignment: int = 1,
-        pad_to_multiple: int = 1,
-    ) -> None:
-        super().__init__(size, dtype, device, alignment=alignment, pad_to_multiple=pad_to_multiple)
-
     @torch.no_grad()
     def add_param(self, param: torch.Tensor, *, name: str | None = None) -> None:
         """Copy ``param``'s value into the next slot and make ``param.data`` a view of it.

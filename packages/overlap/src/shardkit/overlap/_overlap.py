@@ -16,6 +16,7 @@ from shardkit.overlap._validation import (
     _check_agreement,
     _check_groups,
     _check_params,
+    _check_reduce_to_owner,
     _check_supported,
     _check_types,
 )
@@ -84,6 +85,40 @@ _BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
 _INTERLEAVE_LAG = 2
 
 
+# [Note: Reduce to owner]
+# With ``OverlapConfig.reduce_to_owner`` the wrapped hook (``allreduce_hook``) is not called for
+# the gradients. Only the owner of a param needs its reduced gradient (it steps it, then
+# broadcasts the new value), so each bucket is reduced to its owners: the bucket buffer is
+# divided by the world size in place (exactly ``allreduce_hook``'s pre-division, so no overflow
+# in fp16 and the same rounding of each addend), then one ``dist.reduce(SUM)`` per contiguous
+# run of params sharing an owner, in ``bucket.parameters()`` order, with ``dst`` the owner's
+# *global* rank (owners are group ranks, see shardkit-optim's [Note: Rank numbering]). Gloo's
+# ``reduce_scatter`` (supported in torch 2.13) needs equal chunks per rank in rank order, which
+# owner runs are not (whole buckets per rank, uneven splits, several runs per owner in DDP's
+# first-iteration bucket), so ``reduce`` is used. Wire traffic: a reduce moves the bucket once,
+# an all-reduce about twice (reduce-scatter + all-gather), so reduce + broadcast is ~2x the
+# bucket bytes instead of ~3x.
+# Exactness: the reduced values are the same pre-divided addends summed; only the summation
+# order of the backend's reduce may differ from its all-reduce (bitwise equal at world 2, last
+# bit at world >= 3). Everything else is unchanged: the owner steps from the reduced slice (see
+# [Note: Reduced gradients at hook time]), the runs are computed per hook call from the bucket's
+# actual params (DDP's first-iteration bucket and rebuilt ones alike, exact from step 1), and
+# all reduces are issued by the autograd thread in bucket order before that call's broadcasts
+# (see [Note: Gloo-safe scheduling]); their one callback only zeroes memory, never waits.
+# What DDP writes into ``.grad``: the hook's returned future is the bucket buffer, which DDP
+# copies into the grads (or which the grads view). On a non-destination rank a reduce leaves its
+# input undefined, so once every reduce of the bucket has completed the callback zeroes the
+# slices of params this rank does not own: after backward a rank's ``.grad`` holds the averaged
+# gradient for the params it owns and zeros for the others. Reading a non-owned ``.grad`` is
+# meaningless in this mode; so is accumulating grads over several *synchronised* backwards
+# without ``zero_grad()`` (owners would add a zero instead of the others' previous average);
+# accumulate with ``ddp.no_sync()`` as usual, which stays exact. Global-norm clipping and grad
+# scalers need every reduced grad on every rank, so they are refused in this mode. With
+# ``find_unused_parameters=True`` the deferred step (see [Note: Unused parameters]) reads the
+# owned ``.grad`` after ``finalize_backward``, which holds the reduced value; globally unused
+# params keep DDP's untouched ``.grad`` as with the all-reduce.
+
+
 # [Note: Reduced gradients at hook time]
 # When a bucket's reduction completes, the reduced values live in the hook future's result (a
 # flat tensor laid out like ``bucket.buffer()``: params back to back in ``bucket.parameters()``
@@ -128,12 +163,14 @@ class ZeroOverlap:
                 "replace it)."
             )
         loop_step = _check_supported(zero, grad_scaler, max_grad_norm)
+        _check_reduce_to_owner(config.reduce_to_owner, hook, loop_step)
         _check_groups(ddp, zero)
         named = _ddp_params(ddp)
         _check_params(named, zero)
         # Collective from here on: every rank checks the others agree, then repartitions.
         _check_agreement(
-            zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step
+            zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step,
+            config.reduce_to_owner,
         )
         _apply_partition(zero, _planned_partition(ddp, zero, config.shard_buckets))
 
@@ -223,9 +260,12 @@ class ZeroOverlap:
                 f"interrupted?"
             )
         self._next_index = index + 1
-        fut = self._hook(state, bucket)
         if self._closed or self._loop_step:
-            return fut
+            return self._hook(state, bucket)
+        if self.config.reduce_to_owner:
+            fut = self._reduce_to_owners(bucket)  # See [Note: Reduce to owner].
+        else:
+            fut = self._hook(state, bucket)
         if self._deferred:
             # See [Note: Unused parameters].
             if index == 0:
@@ -266,6 +306,45 @@ class ZeroOverlap:
         self._works = []
         self._pending = []
         self._next_index = 0
+
+    def _reduce_to_owners(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Averages ``bucket`` onto the owners of its params. See [Note: Reduce to owner]."""
+        buffer = bucket.buffer()
+        group = self.zero.group
+        buffer.div_(self.zero.world_size)
+        runs: list[list[int]] = []  # [owner, lo, hi] in buffer order
+        offset = 0
+        for p in bucket.parameters():
+            owner, n = self._owner[id(p)], p.numel()
+            if runs and runs[-1][0] == owner:
+                runs[-1][2] = offset + n
+            else:
+                runs.append([owner, offset, offset + n])
+            offset += n
+        futs: list[torch.futures.Future[Any]] = []
+        for owner, lo, hi in runs:
+            work = dist.reduce(
+                buffer[lo:hi],
+                dst=dist.get_global_rank(group, owner),
+                op=dist.ReduceOp.SUM,
+                group=group,
+                async_op=True,
+            )
+            if work is None:
+                raise RuntimeError("an async reduce returned no work handle")
+            futs.append(work.get_future())
+        foreign = [(lo, hi) for owner, lo, hi in runs if owner != self._rank]
+
+        def _finish(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+            # Runs once every reduce of the bucket completed; only zeroes memory (value()
+            # of a completed future re-raises its error, it does not wait).
+            for f in done.value():
+                f.value()
+            for lo, hi in foreign:
+                buffer[lo:hi].zero_()
+            return buffer
+
+        return torch.futures.collect_all(futs).then(_finish)
 
     def _step_and_broadcast(
         self, params: Sequence[torch.Tensor], fut: torch.futures.Future[Any]

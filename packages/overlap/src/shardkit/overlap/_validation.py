@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer
 from shardkit.partition import all_gather_objects
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 __all__: list[str] = []
@@ -77,6 +78,32 @@ def _check_supported(zero: ShardedOptimizer, grad_scaler: Any, max_grad_norm: An
     return scaler_on or max_grad_norm is not None
 
 
+def _check_reduce_to_owner(reduce_to_owner: Any, hook: Any, loop_step: bool) -> None:
+    """Refuses what reduce-to-owner cannot do. See [Note: Reduce to owner]."""
+    if not isinstance(reduce_to_owner, bool):
+        raise TypeError(
+            f"reduce_to_owner must be a bool, got {type(reduce_to_owner).__name__}: "
+            f"{reduce_to_owner!r}"
+        )
+    if not reduce_to_owner:
+        return
+    if hook is not allreduce_hook:
+        raise ValueError(
+            f"reduce_to_owner=True replaces the gradient all-reduce by reduces to the owners, "
+            f"so it only works with the default allreduce_hook; got hook "
+            f"{getattr(hook, '__qualname__', type(hook).__qualname__)}. Pass hook=None "
+            f"(register_zero_overlap) or allreduce_hook, or use reduce_to_owner=False with a "
+            f"custom hook."
+        )
+    if loop_step:
+        raise ValueError(
+            "reduce_to_owner=True cannot be combined with an enabled grad_scaler or "
+            "max_grad_norm: the loop step needs every reduced gradient on every rank (inf "
+            "check, global norm) but each rank only receives the gradients it owns. Use "
+            "reduce_to_owner=False for AMP loss scaling or clipping."
+        )
+
+
 def _check_groups(ddp: DistributedDataParallel, zero: ShardedOptimizer) -> None:
     ddp_ranks = dist.get_process_group_ranks(ddp.process_group)
     zero_ranks = dist.get_process_group_ranks(zero.group)
@@ -115,13 +142,14 @@ def _check_params(
 
 def _check_agreement(
     zero: ShardedOptimizer, ddp: DistributedDataParallel, hook: Callable[..., Any],
-    interleaved: bool, shard_buckets: bool, loop_step: bool,
+    interleaved: bool, shard_buckets: bool, loop_step: bool, reduce_to_owner: bool = False,
 ) -> None:
     """All ranks must register the same thing, or all raise (no hang later)."""
     mine = (
         interleaved,
         shard_buckets,
         loop_step,
+        reduce_to_owner,
         getattr(hook, "__qualname__", type(hook).__qualname__),
         bool(ddp.find_unused_parameters),
         bool(ddp.static_graph),
@@ -135,7 +163,7 @@ def _check_agreement(
         detail = ", ".join(f"rank {r}: {g!r}" for r, g in enumerate(gathered))
         raise ValueError(
             f"ranks disagree on the overlap registration (interleaved, shard_buckets, loop step "
-            f"(scaler/clipping), hook, "
+            f"(scaler/clipping), reduce_to_owner, hook, "
             f"find_unused_parameters, static_graph, gradient_as_bucket_view, params hash): "
             f"{detail}. Every rank must register the same hook on the same model."
         )
