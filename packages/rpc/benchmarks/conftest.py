@@ -1,33 +1,20 @@
-"""Fixtures for shardkit-rpc's benchmarks: the tests' RPC world (../tests/_rpc_world.py)."""
+"""Fixtures for shardkit-rpc's benchmarks: the tests' RPC world fixture, reused as is."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import pytest
+_NAME = "_shardkit_rpc_tests_conftest"
+if _NAME not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(
+        _NAME, Path(__file__).resolve().parent.parent / "tests" / "conftest.py"
+    )
+    if _spec is None or _spec.loader is None:
+        raise ImportError("cannot load packages/rpc/tests/conftest.py")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[_NAME] = _module
+    _spec.loader.exec_module(_module)
 
-
-def _load_rpc_world() -> Any:
-    # Registered under the name the rank processes use, so its job messages unpickle on both sides.
-    name = "_shardkit_rpc_world"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "tests" / "_rpc_world.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def rpc_world(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """Three ranks (worker0 = trainer, worker1/worker2 = owners) in one RPC session per module."""
-    world = _load_rpc_world().RpcWorld(3)
-    try:
-        yield world
-    finally:
-        world.close()
+rpc_world = sys.modules[_NAME].rpc_world
