@@ -330,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
             train(dist.get_rank(), dist.get_world_size(), args, "resume" if args.resume else "train")
+            rank = dist.get_rank()
         finally:
             dist.destroy_process_group()
+        if rank == 0:
+            _plot(Path(args.out), entropy_floor(markov_chain()))
         return 0
 
     floor = entropy_floor(markov_chain())
@@ -339,11 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     run_local(args.world_size, args, "train")
     run_local(args.resume_world_size, args, "resume")
-    first = json.loads((Path(args.out) / "loss-train.json").read_text())
-    second = json.loads((Path(args.out) / "loss-resume.json").read_text())
-    write_png(Path(args.out) / "loss.png", [(first, (31, 119, 180)), (second, (255, 127, 14))], floor)
+    first, second = _plot(Path(args.out), floor)
     print(f"loss {first[0][1]:.3f} -> {second[-1][1]:.3f} (floor {floor:.3f}); wrote {Path(args.out) / 'loss.png'} in {time.perf_counter() - start:.0f}s total")
     return 0
+
+
+def _plot(out: Path, floor: float) -> tuple[list[Any], list[Any]]:
+    """loss.png from whichever phases have run (blue: training, orange: after the resume)."""
+    phases = [json.loads(p.read_text()) if p.exists() else [] for p in (out / "loss-train.json", out / "loss-resume.json")]
+    curves = [(c, rgb) for c, rgb in zip(phases, ((31, 119, 180), (255, 127, 14))) if c]
+    if curves:
+        write_png(out / "loss.png", curves, floor)
+    return phases[0], phases[1]
 
 
 if __name__ == "__main__":
