@@ -28,9 +28,12 @@ from torch.futures import Future
 __all__ = ["DistributedOptimizer"]
 
 
+_DEFAULT_TIMEOUT = float(UNSET_RPC_TIMEOUT)
+
+
 def _rpc_timeout(timeout: float | None) -> float:
     if timeout is None:
-        return float(UNSET_RPC_TIMEOUT)
+        return _DEFAULT_TIMEOUT
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
@@ -284,14 +287,17 @@ class DistributedOptimizer:
         rpc_timeout = _rpc_timeout(timeout)
         self._check_context(context_id)
         updates = self._collect_updates()
-        calls = {
-            owner: (
-                _remote_step,
-                (self._remote[owner], context_id, self._updates_for(owner, updates)),
-            )
-            for owner in self._owners
-        }
-        self._run(f"step(context_id={context_id})", calls, rpc_timeout)
+        # One direct `rpc_async` per owner, started before waiting on any: the owners step
+        # concurrently, and the call name is only formatted when something failed.
+        futs: dict[str, Future[Any]] = {}
+        failures: dict[str, BaseException] = {}
+        for owner, handle in self._remote.items():
+            args = (handle, context_id, self._updates_for(owner, updates) if updates else None)
+            try:
+                futs[owner] = rpc.rpc_async(owner, _remote_step, args=args, timeout=rpc_timeout)
+            except Exception as err:  # e.g. the RPC agent is shut down or the name is unknown
+                failures[owner] = err
+        self._wait(f"step(context_id={context_id})", futs, failures)
         if self._view is not None:
             self._view.step(_DRIVER_TOKEN)
 
@@ -328,10 +334,13 @@ class DistributedOptimizer:
                         f"param_groups[{g}]['params'] was replaced; the parameters of a "
                         "DistributedOptimizer are fixed at construction, build a new one instead"
                     )
+                # Unchanged options are usually the very objects last snapshotted (`deepcopy`
+                # returns immutable values as they are), so identity settles most keys.
                 changes = {
                     k: v
                     for k, v in group.items()
-                    if k != "params" and (k not in synced or not _same(synced[k], v))
+                    if k != "params"
+                    and (k not in synced or (synced[k] is not v and not _same(synced[k], v)))
                 }
                 if changes:
                     updates[g] = changes
@@ -504,6 +513,13 @@ class DistributedOptimizer:
                 futs[owner] = rpc.rpc_async(owner, func, args=args, timeout=rpc_timeout)
             except Exception as err:  # e.g. the RPC agent is shut down or the name is unknown
                 failures[owner] = err
+        return self._wait(operation, futs, failures)
+
+    @staticmethod
+    def _wait(
+        operation: str, futs: dict[str, Future[Any]], failures: dict[str, BaseException]
+    ) -> dict[str, Any]:
+        """Wait for every started call; raise one error naming all failures (started or not)."""
         results: dict[str, Any] = {}
         for owner, fut in futs.items():
             try:

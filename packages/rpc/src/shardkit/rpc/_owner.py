@@ -55,17 +55,29 @@ class _SerialQueue:
 
     def submit(self, work: Callable[[], _T]) -> Future[_T]:
         """Run ``work`` after every previously submitted one. See [Note: Per-optimizer serial queue]."""
-        fut: Future[_T] = Future()
+        fut: Future[Any] = Future()
         with self._mutex:
-            self._queue.append((work, fut))
             if self._draining:
+                self._queue.append((work, fut))
                 return fut
             self._draining = True
+        # Idle queue (the common case): run inline on this RPC thread, no enqueue round trip.
+        try:
+            result = work()
+        except BaseException as err:  # handed to the caller through its Future
+            fut.set_exception(err)
+        else:
+            fut.set_result(result)
+        self._drain()
+        return fut
+
+    def _drain(self) -> None:
+        """Run what arrived while this thread held the queue, then mark it idle."""
         while True:
             with self._mutex:
                 if not self._queue:
                     self._draining = False
-                    return fut
+                    return
                 item, item_fut = self._queue.popleft()
             try:
                 result = item()
@@ -158,10 +170,9 @@ class _LocalOptimizer:
 
     def step(self, context_id: int, updates: Updates | None) -> None:
         """One optimizer step with the gradients this worker holds in ``context_id``."""
-        self.apply_updates(updates)
-        grads = context_gradients(context_id, missing_ok=True)
-        if grads is None:
-            grads = {}
+        if updates:
+            self.apply_updates(updates)
+        grads = context_gradients(context_id, missing_ok=True) or {}
         # [Note: Gradients are lent, never left behind]
         # The context's gradients are installed as `.grad` only for the duration of
         # `optimizer.step()`, and whatever `.grad` was there before (normally None) is put back,
@@ -228,8 +239,8 @@ def _register(local: _LocalOptimizer) -> int:
 
 
 def _lookup(handle: int) -> _LocalOptimizer:
-    local = _handles.get(handle)
-    found = local() if local is not None else None
+    ref = _handles.get(handle)
+    found = ref() if ref is not None else None
     if found is None:
         raise RuntimeError(
             f"no DistributedOptimizer with handle {handle} on {rpc.get_worker_info().name}: it "
