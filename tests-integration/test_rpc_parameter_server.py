@@ -174,7 +174,20 @@ def _job(out: Path, job: str, names: tuple[str, str, str]) -> None:
 
 
 def _reference() -> list[dict[str, Any]]:
-    """The same training, local and unsharded: plain AdamW + StepLR."""
+    """The same training, local and unsharded: plain AdamW + StepLR.
+
+    One intra-op thread, as in the jobs (``OMP_NUM_THREADS=1``): with more, LayerNorm's
+    backward splits its bias/weight reductions over threads and sums in another order.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run() -> list[dict[str, Any]]:
     stages = [_stage("a"), _stage("b")]
     opt = torch.optim.AdamW(
         [{"params": s.parameters(), **g} for s, g in zip(stages, _GROUPS, strict=True)], **_DEFAULTS

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._blocked import _BlockedStepper, _check_block_bytes
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _agree, _resolve_group
@@ -62,6 +63,10 @@ class ShardedOptimizer(Optimizer):
         broadcast_fp16: send the updated params as fp16 (owners keep their exact values).
         partition_algorithm: ``"greedy"``, ``"sorted_greedy"`` or ``"balanced"``
             (shardkit-partition).
+        step_block_bytes: on CPU, step element-wise torch optimizers (SGD, Adam, AdamW,
+            Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta) over slices of this many bytes of
+            each param, so every pass of the update works in cache: same result bit for bit,
+            checked by a probe (see ``shardkit.optim._blocked``). ``None`` steps whole params.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
@@ -78,6 +83,7 @@ class ShardedOptimizer(Optimizer):
         broadcast_fp16: bool = False,
         *,
         partition_algorithm: str = "sorted_greedy",
+        step_block_bytes: int | None = 1 << 20,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -101,6 +107,8 @@ class ShardedOptimizer(Optimizer):
         self.global_rank: int = dist.get_rank()
         self.broadcast_fp16 = broadcast_fp16
         self._algorithm = _check_algorithm(partition_algorithm)
+        block = _check_block_bytes(step_block_bytes)
+        self._blocked = _BlockedStepper(block) if block is not None else None
         self._optim_cls = optim
         self._optim_defaults = dict(defaults)
         self._initialized = False
@@ -159,6 +167,8 @@ class ShardedOptimizer(Optimizer):
         self._local_slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
         groups = [{**_hyperparams(g), "params": ps} for g, ps in zip(self.param_groups, local, strict=True)]
         self.optim = self._optim_cls(groups, **self._optim_defaults)
+        if self._blocked is not None:
+            self._blocked.clear()
         self._layout = layout
         if migrate:
             entries: dict[int, dict[str, Any]] = {}
@@ -305,9 +315,14 @@ class ShardedOptimizer(Optimizer):
             for g, sub in zip(self.optim.param_groups, subsets, strict=True):
                 g["params"] = sub
         try:
-            loss = self.optim.step(closure, **kwargs) if closure is not None or kwargs else (
-                self.optim.step()
-            )
+            if closure is not None or kwargs:
+                loss = self.optim.step(closure, **kwargs)
+            elif self._blocked is not None and self._blocked.step(
+                self.optim, [g["params"] for g in self.optim.param_groups]
+            ):
+                loss = None  # see [Note: Cache-blocked step]
+            else:
+                loss = self.optim.step()
         finally:
             if saved is not None:
                 for g, ps in zip(self.optim.param_groups, saved, strict=True):
@@ -536,6 +551,8 @@ class ShardedOptimizer(Optimizer):
             state_dict, self._layout, self.rank, len(self.param_groups), self.optim.state
         )
         self.optim.load_state_dict(local)
+        if self._blocked is not None:
+            self._blocked.clear()
         for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             wg.update(copy.deepcopy(_hyperparams(sg)))
         self._push_hyperparams()
