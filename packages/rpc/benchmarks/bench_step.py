@@ -10,7 +10,9 @@ Measured on the trainer, alternating torch / shardkit blocks in one run to share
 - step latency: median seconds of ``opt.step(context_id)`` alone, per thread;
 - throughput: full training steps per second over all trainer threads;
 - lost updates: the gradient is constant (1 per element), so after N applied steps every element
-  is exactly -N; how many updates the worst element lacks.
+  is exactly -N; how many updates the worst element lacks;
+- direct step share (shardkit): the fraction of owner steps sent over the direct step channel
+  (1.0 by default, 0.0 with SHARDKIT_RPC_DIRECT_STEP=0; see [Note: Direct step channel]).
 
 Ratios are shardkit / torch (latency: lower is better, target <= 1.0; throughput: higher is
 better). With several threads torch's steps run concurrently and unlocked (and may lose updates),
@@ -95,10 +97,14 @@ def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[st
         raise errors[0]
     total = threads * steps
     lost = max(total + rpc.rpc_sync(o, _min_value, args=(t,)) for o, t in zip(owners, tags, strict=True))
+    # shardkit: the share of owner steps that took the direct step channel (1.0 unless disabled).
+    direct = getattr(opt, "_direct", None)
+    share = sum(direct.sent.values()) / (total * len(owners)) if direct is not None else 0.0
     return {
         "latency": statistics.median(latencies),
         "throughput": total / elapsed,
         "lost": lost,
+        "direct": share,
     }
 
 
@@ -116,6 +122,7 @@ def _body_compare(rank: int, numel: int, threads: int, steps: int, rounds: int) 
             "latency": statistics.median(b["latency"] for b in blocks),
             "throughput": statistics.median(b["throughput"] for b in blocks),
             "lost": max(b["lost"] for b in blocks),
+            "direct": min(b["direct"] for b in blocks),
         }
         for impl, blocks in runs.items()
     }
@@ -149,6 +156,7 @@ def test_step(benchmark: Any, rpc_world: Any, numel: int, threads: int, steps: i
             "torch_steps_per_s": torch_r["throughput"],
             "shardkit_lost_updates": shard_r["lost"],
             "torch_lost_updates": torch_r["lost"],
+            "shardkit_direct_step_share": shard_r["direct"],
             "load_average_1min": os.getloadavg()[0],
         }
     )

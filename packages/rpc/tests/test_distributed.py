@@ -60,6 +60,23 @@ def _events() -> list[tuple[str, float, float]]:
     return list(_EVENTS)
 
 
+def _sent(opt: DistributedOptimizer) -> dict[str, int]:
+    """Step requests this trainer sent over the direct step channel, per owner."""
+    assert opt._direct is not None, "the direct step channel is off"
+    return dict(opt._direct.sent)
+
+
+def _owner_direct_steps(handle: int) -> int:
+    """Steps the owner applied through the direct step channel for the optimizer ``handle``."""
+    from shardkit.rpc._owner import _lookup
+
+    return _lookup(handle).direct_steps
+
+
+def _direct_steps(opt: DistributedOptimizer, owner: str) -> int:
+    return int(rpc.rpc_sync(owner, _owner_direct_steps, args=(opt._remote[owner],)))
+
+
 class _Model:
     """Trainer-side handle: layer1 on ``owners[0]``, layer2 on ``owners[1]``, scale local."""
 
@@ -173,6 +190,9 @@ def _body_parity_with_single_process(rank: int, opt_name: str) -> None:
             _local_step(ref, ref_opt, x, y)
     assert [str(w.message) for w in caught] == []
     _assert_same(model.params(), ref.params(), f"{opt_name} after 4 steps")
+    # Every step went over the direct step channel, to every owner (worker0 is one too).
+    assert _sent(opt) == {"worker0": 4, "worker1": 4, "worker2": 4}
+    assert _direct_steps(opt, "worker1") == _direct_steps(opt, "worker2") == 4
     assert opt.param_groups[0]["lr"] == 0.05
     assert opt.param_groups[1]["lr"] == kwargs["lr"]
     assert rpc.rpc_sync("worker1", _grads_are_none, args=(f"m{opt_name}1",))
@@ -260,6 +280,9 @@ def _body_concurrent_trainers(rank: int, impl: str, tag: str) -> tuple[float, fl
             t.join()
         _EVENTS.append((f"{tag} trainer", start, time.perf_counter()))
         assert errors == []
+        if impl == "shardkit":  # every step of every thread went over the direct step channel
+            assert _sent(opt) == {"worker1": threads * steps}
+            assert _direct_steps(opt, "worker1") == threads * steps
     dist.barrier()
     if rank != 0:
         return None
@@ -353,6 +376,7 @@ def _body_state_dict_round_trip_with_renamed_owners(rank: int) -> None:
         opt = DistributedOptimizer(torch.optim.Adam, model.groups(), lr=0.01)
         for x, y in batches[:3]:
             _dist_step(model, opt, x, y)
+        assert _sent(opt) == {"worker0": 3, "worker1": 3, "worker2": 3}
         opt.param_groups[1]["lr"] = 0.02
         saved = opt.state_dict()
         assert sorted(saved["state"]) == [
@@ -381,6 +405,7 @@ def _body_state_dict_round_trip_with_renamed_owners(rank: int) -> None:
             _dist_step(model, opt, x, y)
             _dist_step(fresh, fresh_opt, x, y)
         _assert_same(fresh.params(), model.params(), "resumed run")
+        assert _sent(fresh_opt) == {"worker0": 3, "worker1": 3, "worker2": 3}
         again = fresh_opt.state_dict()
         assert sorted(again["state"]) == sorted(saved["state"])
 
@@ -450,6 +475,8 @@ def _body_lr_scheduler_parity(rank: int) -> None:
                     assert sched.get_last_lr() == ref_sched.get_last_lr()
             assert [str(w.message) for w in caught] == []
             _assert_same(model.params(), ref.params(), f"scheduler {i}")
+            # The per-step lr changes travelled as JSON: no step fell back to RPC.
+            assert _sent(opt) == {"worker0": 5, "worker1": 5, "worker2": 5}
             assert opt.state_dict()["param_groups"][0]["lr"] == ref_opt.param_groups[0]["lr"]
 
 
@@ -495,6 +522,9 @@ def _body_failures_name_every_owner(rank: int) -> None:
         assert info.value.succeeded == ["worker0"]
         assert "injected failure on worker1" in str(info.value)
         assert "injected failure on worker2" in str(info.value)
+        # ... reported through the direct step channel, with the owner's traceback.
+        assert _sent(both) == {"worker0": 1, "worker1": 1, "worker2": 1}
+        assert "Owner traceback" in str(info.value.failures["worker1"])
 
         one = DistributedOptimizer(_FailingSGD, model.l1, lr=0.1, fail_on=("worker2",))
         step_with(one)  # worker2 holds none of these parameters
@@ -505,7 +535,11 @@ def _body_failures_name_every_owner(rank: int) -> None:
             step_with(slow, timeout=0.5)
         assert time.monotonic() - start < 2.5
         assert list(timed.value.failures) == ["worker2"]
-        time.sleep(3.0)  # let the slow remote step finish before shutdown
+        assert isinstance(timed.value.failures["worker2"], TimeoutError)  # the channel's timeout
+        time.sleep(3.0)  # let the slow remote step finish
+        step_with(slow, timeout=10.0)  # reconnects; queued behind nothing now
+        assert _sent(slow) == {"worker2": 2}
+        assert _direct_steps(slow, "worker2") == 2  # the timed-out step was applied late
 
         with pytest.raises(
             RemoteOptimizerError, match=r"(?s)worker1.*worker2.*Invalid learning rate"
@@ -567,6 +601,23 @@ def _handle_alive(handle: int) -> bool:
     return ref is not None and ref() is not None
 
 
+def _channel_threads() -> int:
+    """Live direct-step-channel connection threads in this process."""
+    return sum(t.name == "shardkit-rpc-step-conn" for t in threading.enumerate())
+
+
+def _settled_channel_threads(owner: str) -> int:
+    """The owner's channel thread count once it stops changing (earlier tests' may be exiting)."""
+    last = -1
+    for _ in range(100):
+        now = int(rpc.rpc_sync(owner, _channel_threads))
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.1)
+    raise AssertionError(f"{owner}'s channel threads keep changing ({last})")
+
+
 def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
     if rank != 0:
         return
@@ -574,15 +625,27 @@ def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
 
     from shardkit.rpc._owner import _remote_step
 
+    gc.collect()
+    threads_before = _settled_channel_threads("worker1")
     rrefs = rpc.rpc_sync("worker1", _build, args=("life", 3, 2, 0))
     opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
     handle = opt._remote["worker1"]
     assert rpc.rpc_sync("worker1", _handle_alive, args=(handle,))
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("worker1", _forward, args=("life", torch.ones(1, 3)))
+        dist_autograd.backward(cid, [out.sum()])
+        opt.step(cid)
+    assert _sent(opt) == {"worker1": 1}
+    assert rpc.rpc_sync("worker1", _channel_threads) == threads_before + 1
     del opt
     gc.collect()
     deadline = time.monotonic() + 30
     while rpc.rpc_sync("worker1", _handle_alive, args=(handle,)):
         assert time.monotonic() < deadline, "owner kept the optimizer after the trainer dropped it"
+        time.sleep(0.05)
+    # Dropping the DistributedOptimizer closed its channel connection: the owner's thread exits.
+    while rpc.rpc_sync("worker1", _channel_threads) > threads_before:
+        assert time.monotonic() < deadline, "the owner's channel thread outlived the optimizer"
         time.sleep(0.05)
     with dist_autograd.context() as cid:
         try:
@@ -594,6 +657,7 @@ def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
 
 def test_owner_optimizer_is_freed_with_the_trainers(rpc_world: Any) -> None:
     """Steps name the owner's optimizer by handle (see [Note: Optimizer handles]) but its lifetime
-    follows the trainer's RRef: dropping the DistributedOptimizer frees it on the owner, and a
-    stale handle raises a clear error."""
+    follows the trainer's RRef: dropping the DistributedOptimizer frees it on the owner (the
+    direct step channel's connection holds no reference) and closes its channel connection (the
+    owner's thread exits), and a stale handle raises a clear error."""
     rpc_world.run(_PATH, "_body_owner_optimizer_is_freed_with_the_trainers")

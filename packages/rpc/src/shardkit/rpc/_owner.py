@@ -7,6 +7,7 @@ Everything in this module runs on the worker that owns the parameters; the funct
 from __future__ import annotations
 
 import copy
+import secrets
 import threading
 import weakref
 from collections import deque
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
+from shardkit.rpc._channel import Endpoint, serve
 from shardkit.rpc._torch_compat import context_gradients
 from torch.futures import Future
 
@@ -152,6 +154,9 @@ class _LocalOptimizer:
             torch_groups.append({**options, "params": tensors})
         self.optimizer = optimizer_class(torch_groups, *args, **kwargs)
         self._queue = _queue_for(self.params)
+        # Proof of access for the direct step channel; see [Note: Direct step channel].
+        self.token = secrets.token_bytes(16)
+        self.direct_steps = 0  # steps applied through the channel (tests read it)
 
     def submit(self, work: Callable[[], _T]) -> Future[_T]:
         """Run ``work`` serialised with every other operation on these parameters."""
@@ -186,6 +191,18 @@ class _LocalOptimizer:
         finally:
             for p, g in zip(self.params, saved, strict=True):
                 p.grad = g
+
+    def direct_step(self, context_id: int, updates: Updates | None) -> None:
+        """A step from the direct step channel's handler thread: queued like ``_remote_step``.
+
+        See [Note: Direct step channel] and [Note: Per-optimizer serial queue].
+        """
+
+        def work() -> None:
+            self.step(context_id, updates)
+            self.direct_steps += 1
+
+        self.submit(work).wait()
 
     def param_group_options(self) -> list[dict[str, Any]]:
         """Every local group's options (without ``params``), in local order."""
@@ -238,15 +255,23 @@ def _register(local: _LocalOptimizer) -> int:
         return _next_handle
 
 
-def _lookup(handle: int) -> _LocalOptimizer:
+def _find(handle: int) -> _LocalOptimizer | None:
     ref = _handles.get(handle)
-    found = ref() if ref is not None else None
+    return ref() if ref is not None else None
+
+
+def _unknown_handle(handle: int) -> str:
+    return (
+        f"no DistributedOptimizer with handle {handle} on {rpc.get_worker_info().name}: it "
+        "was freed (its trainer-side DistributedOptimizer is gone) or this worker restarted; "
+        "build a new DistributedOptimizer"
+    )
+
+
+def _lookup(handle: int) -> _LocalOptimizer:
+    found = _find(handle)
     if found is None:
-        raise RuntimeError(
-            f"no DistributedOptimizer with handle {handle} on {rpc.get_worker_info().name}: it "
-            "was freed (its trainer-side DistributedOptimizer is gone) or this worker restarted; "
-            "build a new DistributedOptimizer"
-        )
+        raise RuntimeError(_unknown_handle(handle))
     return found
 
 
@@ -255,9 +280,14 @@ def _remote_new(
     groups: list[GroupSpec],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Any, int, list[dict[str, Any]]]:
+) -> tuple[Any, int, list[dict[str, Any]], Endpoint | None, bytes | None]:
+    """Build the local optimizer; returns its RRef, handle, group options and, when the direct
+    step channel is on here, this process's step server endpoint and the optimizer's token."""
     local = _LocalOptimizer(optimizer_class, groups, args, kwargs)
-    return rpc.RRef(local), _register(local), local.param_group_options()
+    # See [Note: Direct step channel]; `serve` reads SHARDKIT_RPC_DIRECT_STEP.
+    endpoint = serve(_find, _unknown_handle)
+    token = local.token if endpoint is not None else None
+    return rpc.RRef(local), _register(local), local.param_group_options(), endpoint, token
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]

@@ -4,6 +4,10 @@
 never seen the given context. There is no public predicate for "this worker knows the context",
 so we recognise that error by its message.
 ``tests/test_distributed.py::test_unknown_context_on_owner_means_no_gradients`` pins it.
+
+The direct step channel (see [Note: Direct step channel]) also relies on ``get_gradients``
+working from a plain thread, not only from RPC threads (the context container is process-global;
+documented nowhere): ``tests/test_channel.py::test_get_gradients_from_a_non_rpc_thread`` pins it.
 """
 
 from __future__ import annotations
