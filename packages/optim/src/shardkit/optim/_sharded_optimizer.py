@@ -31,6 +31,7 @@ import torch.distributed as dist
 from shardkit.optim._blocked import _BlockedStepper, _check_block_bytes
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
+from shardkit.optim._cow import _CopyOnWrite
 from shardkit.optim._dist import _agree, _resolve_group
 from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed, _Layout
 from shardkit.optim._state import (
@@ -120,6 +121,7 @@ class ShardedOptimizer(Optimizer):
         # See [Note: External stepper].
         self._stepper: str | None = None
         self._skip_next_step = False
+        self._cow = _CopyOnWrite()  # see [Note: Copy-on-write consolidation]
         super().__init__(params, defaults)
         self.optim: Optimizer
         self._layout: _Layout
@@ -130,6 +132,7 @@ class ShardedOptimizer(Optimizer):
     # ------------------------------------------------------------------ layout
     def _rebuild(self, migrate: bool) -> None:
         """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
+        self._resolve_cow()
         params = [p for g in self.param_groups for p in g["params"]]
         mask = bytes(int(p.requires_grad) for p in params)
         _agree(
@@ -303,6 +306,7 @@ class ShardedOptimizer(Optimizer):
         With ``params``, costs O(len(params)) besides the step itself: the local groups are
         narrowed to the owned ones among ``params`` for the call, then restored.
         """
+        self._resolve_cow()
         self._push_hyperparams()
         saved: list[list[torch.Tensor]] | None = None
         if params is not None:
@@ -495,13 +499,20 @@ class ShardedOptimizer(Optimizer):
                 error = e
         # Drop the previous consolidated copy first, so the peak is one copy, not two.
         self._consolidated = None
+        local = _owned_state(self.optim.state, self._layout, self.rank)
+        alias = (
+            self._record_cow(local, skipped)
+            if error is None and recipient_rank == self.rank
+            else None
+        )  # see [Note: Copy-on-write consolidation]
         full = _consolidate(
-            _owned_state(self.optim.state, self._layout, self.rank),
+            local,
             self.group,
             self.rank,
             recipient_rank if error is None else 0,
             skipped,
             error=error,
+            alias=alias,
         )
         if full is None:
             self._consolidated = None
@@ -510,6 +521,16 @@ class ShardedOptimizer(Optimizer):
                 self._state_version,
                 {"state": full, "param_groups": self._global_param_groups()},
             )
+
+    def _record_cow(self, local: dict[int, dict[str, Any]], skipped: set[int]) -> set[int]:
+        """The live tensors the consolidated dict may alias. See [Note: Copy-on-write consolidation]."""
+        return self._cow.record(local, skipped, self._layout.params)
+
+    def _resolve_cow(self) -> None:
+        """Before modifying the state. See [Note: Copy-on-write consolidation]."""
+        if self._cow.pending:
+            self._consolidated = None  # about to go stale: drop our references to the aliases
+            self._cow.resolve(self.optim.state)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The consolidated state in plain torch format (loads into ``optim`` unsharded).
@@ -547,6 +568,7 @@ class ShardedOptimizer(Optimizer):
         skipped at consolidation) leave the current state of those params untouched.
         """
         _validate_plain_state_dict(state_dict, self.param_groups)
+        self._resolve_cow()
         local = _local_load_dict(
             state_dict, self._layout, self.rank, len(self.param_groups), self.optim.state
         )

@@ -1,4 +1,6 @@
-"""The one place shardkit-optim reads torch internals: registered optimizer step hooks.
+"""The one place shardkit-optim reads torch internals.
+
+Registered optimizer step hooks (below) and storage reference counts (``_storage_use_count``).
 
 ``torch.optim.Optimizer`` keeps per-instance step hooks in ``_optimizer_step_pre_hooks`` /
 ``_optimizer_step_post_hooks`` and global ones in ``torch.optim.optimizer``'s
@@ -10,6 +12,7 @@ on slice views, which hooks would observe, so it steps aside when any hook exist
 
 from __future__ import annotations
 
+import torch
 import torch.optim.optimizer as _optimizer_module
 from torch.optim import Optimizer
 
@@ -27,3 +30,19 @@ def _has_step_hooks(optim: Optimizer) -> bool:
         if hooks is None or len(hooks):
             return True
     return False
+
+
+def _storage_use_count(t: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share ``t``'s storage; ``None`` if unknown.
+
+    Reads ``torch._C._storage_Use_Count``, the reference count of the C++ ``StorageImpl``.
+    Used by [Note: Copy-on-write consolidation]; ``None`` makes the caller copy instead.
+    ``tests/test_consolidate_cow.py::test_storage_use_count_pin`` pins its behaviour.
+    """
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:
+        return None
+    try:
+        return int(fn(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
