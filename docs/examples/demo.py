@@ -46,10 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 
 try:  # optional: overlap the sharded step with backward
     from shardkit.overlap import register_zero_overlap

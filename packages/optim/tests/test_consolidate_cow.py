@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer
-from shardkit.optim import _cow
+from shardkit.optim import ShardedOptimizer, _cow
 from shardkit.optim._torch_compat import _storage_use_count
 from shardkit.testing import world
 from torch import nn

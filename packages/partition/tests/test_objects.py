@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-
 from shardkit.partition import all_gather_objects, comm_device
 from shardkit.testing import world
 
