@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(out: Path, floor: float) -> tuple[list[Any], list[Any]]:
     """loss.png from whichever phases have run (blue: training, orange: after the resume)."""
     phases = [json.loads(p.read_text()) if p.exists() else [] for p in (out / "loss-train.json", out / "loss-resume.json")]
-    curves = [(c, rgb) for c, rgb in zip(phases, ((31, 119, 180), (255, 127, 14))) if c]
+    curves = [(c, rgb) for c, rgb in zip(phases, ((31, 119, 180), (255, 127, 14)), strict=True) if c]
     if curves:
         write_png(out / "loss.png", curves, floor)
     return phases[0], phases[1]
