@@ -128,7 +128,8 @@ class _Rebinding(torch.optim.Optimizer):
                     st["count"] = torch.zeros(())
                 st["avg"] = st["avg"] * 0.9 + p.grad  # a new tensor every step
                 st["count"] = st["count"] + 1
-                p.add_(st["avg"], alpha=-group["lr"] / float(st["count"]))
+                st["calls"] = st.get("calls", 0) + 1  # a plain int, rebound too
+                p.add_(st["avg"], alpha=-group["lr"] / float(st["count"]) / st["calls"] ** 0.5)
         return None
 
 
@@ -165,6 +166,29 @@ def test_probe_refuses_a_non_elementwise_optimizer(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(_blocked, "_PROBE_RESULTS", {})
     assert _compare(_NotElementwise, {"lr": 0.1}, [(3000,)], 4096, steps=3) == 0
     assert list(_blocked._PROBE_RESULTS.values()) == [False]
+
+
+def test_scalar_state_changed_between_steps_reaches_every_slice() -> None:
+    """Scalars are shared out from the real state on every step (e.g. after a manual edit)."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(5000, generator=gen)
+    ref, blk = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    ref_opt, blk_opt = torch.optim.Adam([ref], lr=0.1), torch.optim.Adam([blk], lr=0.1)
+    stepper = _BlockedStepper(4096)
+    for i in range(5):
+        g = torch.randn(5000, generator=gen)
+        ref.grad, blk.grad = g.clone(), g.clone()
+        if i == 3:  # e.g. a resumed run that rewrote the step counters
+            ref_opt.state[ref]["step"].fill_(100.0)
+            blk_opt.state[blk]["step"].fill_(100.0)
+        ref_opt.step()
+        if i == 0:
+            blk_opt.step()
+        else:
+            assert stepper.step(blk_opt, [[blk]])
+    assert torch.equal(ref, blk)
+    assert torch.equal(ref_opt.state[ref]["step"], blk_opt.state[blk]["step"])
+    assert float(blk_opt.state[blk]["step"]) == 102.0
 
 
 def test_not_taken_when_it_cannot_pay_or_is_not_safe() -> None:

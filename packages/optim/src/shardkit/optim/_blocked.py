@@ -175,15 +175,19 @@ class _BlockedStepper:
                 continue
             flat_grad = grad.view(-1)
             lo = 0
-            for view, sst in slices:
+            for view, _ in slices:
                 hi = lo + view.numel()
                 view.grad = flat_grad[lo:hi]
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        if v.shape != p.shape:
-                            sst[k].copy_(v)
-                    else:
-                        sst[k] = copy.copy(v)
+                live = plan.shadow.state[view]
+                for k, v in st.items():  # per-param scalars: shared out to every slice
+                    if not isinstance(v, torch.Tensor):
+                        live[k] = copy.copy(v)
+                    elif v.shape != p.shape:
+                        cur = live.get(k)
+                        if isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                            cur.copy_(v)
+                        else:
+                            live[k] = v.detach().clone()
                 lo = hi
         try:
             plan.shadow.step()
