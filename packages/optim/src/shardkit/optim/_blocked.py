@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from shardkit.optim._state import _hyperparams
 from shardkit.optim._torch_compat import _has_step_hooks
 from torch.optim import Optimizer
 
@@ -90,10 +91,6 @@ class _Plan:
     group_of: list[int] = field(default_factory=list)
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
 def _shape_of(value: Any) -> Any:
     """What of a hyper-parameter can select a code path: flags exactly, numbers by sign/zero."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -110,7 +107,7 @@ def _shape_of(value: Any) -> Any:
 def _signature(group: dict[str, Any]) -> tuple[Any, ...]:
     # Learning rates change every step under a scheduler: the probe result is keyed on the
     # options that pick a code path, not on their exact values.
-    return tuple(sorted((k, _shape_of(v)) for k, v in _hyper(group).items()))
+    return tuple(sorted((k, _shape_of(v)) for k, v in _hyperparams(group).items()))
 
 
 class _BlockedStepper:
@@ -167,7 +164,7 @@ class _BlockedStepper:
         if plan is None:
             return False
         for sg, gi in zip(plan.shadow.param_groups, plan.group_of, strict=True):
-            sg.update(_hyper(optim.param_groups[gi]))
+            sg.update(_hyperparams(optim.param_groups[gi]))
         for p, st, slices in plan.entries:
             grad = cast(torch.Tensor, p.grad)
             if len(slices) == 1:
@@ -256,7 +253,7 @@ class _BlockedStepper:
         group_of = sorted(shadow_groups)
         # Allow-listed classes take (params, **defaults); their defaults fill in nothing here.
         shadow: Optimizer = cast(Any, type(optim))(
-            [{**_hyper(optim.param_groups[gi]), "params": shadow_groups[gi]} for gi in group_of]
+            [{**_hyperparams(optim.param_groups[gi]), "params": shadow_groups[gi]} for gi in group_of]
         )
         shadow.state.update(shadow_state)
         plan = _Plan(key=key, shadow=shadow, entries=entries, group_of=group_of)
@@ -307,7 +304,7 @@ def _probe(cls: type[Optimizer], group: dict[str, Any], dtype: torch.dtype) -> b
     if found is not None:
         return found
     try:
-        ok = _run_probe(cls, _hyper(group), dtype)
+        ok = _run_probe(cls, _hyperparams(group), dtype)
     except Exception:
         ok = False
     _PROBE_RESULTS[key] = ok

@@ -501,7 +501,7 @@ class ShardedOptimizer(Optimizer):
         self._consolidated = None
         local = _owned_state(self.optim.state, self._layout, self.rank)
         alias = (
-            self._record_cow(local, skipped)
+            self._cow.record(local, skipped, self._layout.params)
             if error is None and recipient_rank == self.rank
             else None
         )  # see [Note: Copy-on-write consolidation]
@@ -521,10 +521,6 @@ class ShardedOptimizer(Optimizer):
                 self._state_version,
                 {"state": full, "param_groups": self._global_param_groups()},
             )
-
-    def _record_cow(self, local: dict[int, dict[str, Any]], skipped: set[int]) -> set[int]:
-        """The live tensors the consolidated dict may alias. See [Note: Copy-on-write consolidation]."""
-        return self._cow.record(local, skipped, self._layout.params)
 
     def _resolve_cow(self) -> None:
         """Before modifying the state. See [Note: Copy-on-write consolidation]."""
