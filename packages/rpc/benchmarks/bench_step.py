@@ -68,7 +68,9 @@ def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[st
     """``threads`` trainer threads x ``steps`` steps with a fresh model and optimizer."""
     owners = ("worker1", "worker2")
     tags = [f"{tag}-{owner}" for owner in owners]
-    rrefs = [rpc.rpc_sync(o, _make, args=(t, numel // 2)) for o, t in zip(owners, tags, strict=True)]
+    rrefs = [
+        rpc.rpc_sync(o, _make, args=(t, numel // 2)) for o, t in zip(owners, tags, strict=True)
+    ]
     opt = _optimizer(impl, rrefs)
     latencies: list[float] = []
     errors: list[BaseException] = []
@@ -77,7 +79,10 @@ def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[st
         try:
             for _ in range(steps):
                 with dist_autograd.context() as cid:
-                    futs = [rpc.rpc_async(o, _forward, args=(t,)) for o, t in zip(owners, tags, strict=True)]
+                    futs = [
+                        rpc.rpc_async(o, _forward, args=(t,))
+                        for o, t in zip(owners, tags, strict=True)
+                    ]
                     loss = torch.stack([f.wait() for f in futs]).sum()
                     dist_autograd.backward(cid, [loss])
                     start = time.perf_counter()
@@ -96,7 +101,9 @@ def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[st
     if errors:
         raise errors[0]
     total = threads * steps
-    lost = max(total + rpc.rpc_sync(o, _min_value, args=(t,)) for o, t in zip(owners, tags, strict=True))
+    lost = max(
+        total + rpc.rpc_sync(o, _min_value, args=(t,)) for o, t in zip(owners, tags, strict=True)
+    )
     # shardkit: the share of owner steps that took the direct step channel (1.0 unless disabled).
     direct = getattr(opt, "_direct", None)
     share = sum(direct.sent.values()) / (total * len(owners)) if direct is not None else 0.0
@@ -142,7 +149,9 @@ def test_step(benchmark: Any, rpc_world: Any, numel: int, threads: int, steps: i
     result: dict[str, Any] = {}
 
     def run() -> None:
-        result.update(rpc_world.run(_PATH, "_body_compare", numel, threads, steps, rounds, timeout=600)[0])
+        result.update(
+            rpc_world.run(_PATH, "_body_compare", numel, threads, steps, rounds, timeout=600)[0]
+        )
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     torch_r, shard_r = result["torch"], result["shardkit"]

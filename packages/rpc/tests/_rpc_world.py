@@ -97,8 +97,15 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
-def child_main(address: str, rank: int, world_size: int, directory: str, parent: int,
-               rpc_timeout: float, threads: int) -> None:
+def child_main(
+    address: str,
+    rank: int,
+    world_size: int,
+    directory: str,
+    parent: int,
+    rpc_timeout: float,
+    threads: int,
+) -> None:
     """Entry point of one rank (see [Note: One RPC session per world])."""
     import datetime
     import faulthandler
@@ -114,8 +121,13 @@ def child_main(address: str, rank: int, world_size: int, directory: str, parent:
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(directory, "pg"), world_size)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=300),
+    )
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="file://" + os.path.join(directory, "rpc"),
         rpc_timeout=rpc_timeout,
@@ -173,8 +185,14 @@ class RpcWorld:
         threads: RPC server threads per rank.
     """
 
-    def __init__(self, world_size: int, *, startup_timeout: float = 90.0,
-                 rpc_timeout: float = 60.0, threads: int = 16) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        startup_timeout: float = 90.0,
+        rpc_timeout: float = 60.0,
+        threads: int = 16,
+    ) -> None:
         self.world_size = world_size
         self.startup_timeout = startup_timeout
         self.rpc_timeout = rpc_timeout
@@ -195,18 +213,38 @@ class RpcWorld:
         key = secrets.token_bytes(32)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = listener.address
-        env = {**os.environ, "RPC_WORLD_KEY": key.hex(), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {
+            **os.environ,
+            "RPC_WORLD_KEY": key.hex(),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
         code = _BOOT.format(path=os.path.abspath(__file__))
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         for r in range(self.world_size):
             with open(self._logs[r], "wb") as log:
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-c", code, f"{host}:{port}", str(r), str(self.world_size),
-                     self._dir, str(os.getpid()), str(self.rpc_timeout), str(self.threads)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    start_new_session=True,
-                ))
+                self._procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            code,
+                            f"{host}:{port}",
+                            str(r),
+                            str(self.world_size),
+                            self._dir,
+                            str(os.getpid()),
+                            str(self.rpc_timeout),
+                            str(self.threads),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
         self.starts += 1
         conns: list[Connection] = []
 
@@ -308,8 +346,11 @@ class RpcWorld:
         lines = [f"{body} {verdict}"]
         for rank in range(self.world_size):
             res = results.get(rank)
-            state = ("passed" if res.ok else "FAILED") if res else (
-                "died" if rank in died else "still running (stacks below)")
+            state = (
+                ("passed" if res.ok else "FAILED")
+                if res
+                else ("died" if rank in died else "still running (stacks below)")
+            )
             lines.append(f"----- rank {rank}: {state}")
             if res is not None and not res.ok:
                 lines.append(res.detail)

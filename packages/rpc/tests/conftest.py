@@ -15,7 +15,9 @@ def _load_rpc_world() -> Any:
     # Registered under the name the rank processes use, so its job messages unpickle on both sides.
     name = "_shardkit_rpc_world"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_rpc_world.py"))
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("_rpc_world.py")
+        )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

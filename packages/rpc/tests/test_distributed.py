@@ -601,21 +601,27 @@ def _handle_alive(handle: int) -> bool:
     return ref is not None and ref() is not None
 
 
-def _channel_threads() -> int:
-    """Live direct-step-channel connection threads in this process."""
-    return sum(t.name == "shardkit-rpc-step-conn" for t in threading.enumerate())
+_known_channel_threads: set[threading.Thread] = set()
 
 
-def _settled_channel_threads(owner: str) -> int:
-    """The owner's channel thread count once it stops changing (earlier tests' may be exiting)."""
-    last = -1
-    for _ in range(100):
-        now = int(rpc.rpc_sync(owner, _channel_threads))
-        if now == last:
-            return now
-        last = now
-        time.sleep(0.1)
-    raise AssertionError(f"{owner}'s channel threads keep changing ({last})")
+def _remember_channel_threads() -> None:
+    """Hold this process's live channel connection threads (strongly, so identity stays unique)."""
+    _known_channel_threads.clear()
+    _known_channel_threads.update(
+        t for t in threading.enumerate() if t.name == "shardkit-rpc-step-conn"
+    )
+
+
+def _new_channel_threads() -> int:
+    """Live channel connection threads started after `_remember_channel_threads`.
+
+    Counted by identity: earlier tests' connection threads may still be exiting, so a plain count
+    would race with them.
+    """
+    return sum(
+        t.name == "shardkit-rpc-step-conn" and t not in _known_channel_threads
+        for t in threading.enumerate()
+    )
 
 
 def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
@@ -626,7 +632,7 @@ def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
     from shardkit.rpc._owner import _remote_step
 
     gc.collect()
-    threads_before = _settled_channel_threads("worker1")
+    rpc.rpc_sync("worker1", _remember_channel_threads)
     rrefs = rpc.rpc_sync("worker1", _build, args=("life", 3, 2, 0))
     opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
     handle = opt._remote["worker1"]
@@ -636,7 +642,7 @@ def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
         dist_autograd.backward(cid, [out.sum()])
         opt.step(cid)
     assert _sent(opt) == {"worker1": 1}
-    assert rpc.rpc_sync("worker1", _channel_threads) == threads_before + 1
+    assert rpc.rpc_sync("worker1", _new_channel_threads) == 1
     del opt
     gc.collect()
     deadline = time.monotonic() + 30
@@ -644,7 +650,7 @@ def _body_owner_optimizer_is_freed_with_the_trainers(rank: int) -> None:
         assert time.monotonic() < deadline, "owner kept the optimizer after the trainer dropped it"
         time.sleep(0.05)
     # Dropping the DistributedOptimizer closed its channel connection: the owner's thread exits.
-    while rpc.rpc_sync("worker1", _channel_threads) > threads_before:
+    while rpc.rpc_sync("worker1", _new_channel_threads) > 0:
         assert time.monotonic() < deadline, "the owner's channel thread outlived the optimizer"
         time.sleep(0.05)
     with dist_autograd.context() as cid:
