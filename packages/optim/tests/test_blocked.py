@@ -246,10 +246,14 @@ def test_step_block_bytes_is_validated(bad: object) -> None:
 
 def _big_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 3))
+    return nn.Sequential(
+        nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 3)
+    )
 
 
-@pytest.mark.parametrize("cls,kwargs", [_CASES[0], _CASES[4], _CASES[9]], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "cls,kwargs", [_CASES[0], _CASES[4], _CASES[9]], ids=lambda v: getattr(v, "__name__", "")
+)
 @world(2)
 def test_sharded_blocked_parity_with_ddp(
     cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]

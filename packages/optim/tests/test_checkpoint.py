@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _optim_testkit import train
 from shardkit.optim import ShardedOptimizer, load_consolidated, load_sharded, save_sharded
 from shardkit.testing import world
 from torch import nn
@@ -34,15 +35,6 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.02}]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
-    for s in range(start, start + steps):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 @pytest.fixture(scope="module")
 def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("optim_ckpt")
@@ -51,7 +43,7 @@ def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _save(root: Path, name: str) -> None:
     model = _model()
     opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
-    _train(model, opt, _K)
+    train(model, opt, _K, batch=6)
     save_sharded(opt, root / name)
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), root / f"{name}.model.pt")
@@ -64,13 +56,13 @@ def _save(root: Path, name: str) -> None:
 def _resume_and_compare(root: Path, name: str) -> None:
     ref_model = _model()
     ref = torch.optim.Adam(_groups(ref_model), lr=0.01)
-    _train(ref_model, ref, _K + _J)
+    train(ref_model, ref, _K + _J, batch=6)
     model = _model()
     model.load_state_dict(torch.load(root / f"{name}.model.pt"))
     opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
     load_sharded(opt, root / name)
     assert opt.param_groups[1]["lr"] == 0.02
-    _train(model, opt, _J, start=_K)
+    train(model, opt, _J, start=_K, batch=6)
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -106,7 +98,7 @@ def test_interrupted_save_never_loads(ckpt_root: Path, monkeypatch: pytest.Monke
 
     model = _model()
     opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
-    _train(model, opt, 1)
+    train(model, opt, 1, batch=6)
 
     def crash(*args: Any) -> None:
         raise OSError("simulated crash before commit")
@@ -132,14 +124,18 @@ def test_cli_consolidate(ckpt_root: Path, tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(
         [sys.executable, "-m", "shardkit.optim", "consolidate", str(ckpt_root / "w4"), str(out)],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
     assert res.returncode == 0, res.stderr
     sd = torch.load(out)
     # equals the state of an uninterrupted plain run after _K steps
     ref_model = _model()
     ref = torch.optim.Adam(_groups(ref_model), lr=0.01)
-    _train(ref_model, ref, _K)
+    train(ref_model, ref, _K, batch=6)
     refsd = copy.deepcopy(ref.state_dict())
     assert sd["param_groups"] == refsd["param_groups"]
     for i, st in refsd["state"].items():
@@ -150,6 +146,10 @@ def test_cli_consolidate(ckpt_root: Path, tmp_path: Path) -> None:
     assert load_consolidated(ckpt_root / "w4")["state"].keys() == sd["state"].keys()
     bad = subprocess.run(
         [sys.executable, "-m", "shardkit.optim", "consolidate", str(tmp_path), str(out)],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
     assert bad.returncode == 2 and "SHARDKIT_COMMIT" in bad.stderr

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _optim_testkit import assert_state_equal, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardkit.optim import ShardedOptimizer
@@ -23,29 +24,6 @@ from torch import nn
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 9), nn.ReLU(), nn.Linear(9, 3))
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
-    for s in range(start, start + steps):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
-def _assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for i in a["state"]:
-        assert a["state"][i].keys() == b["state"][i].keys(), i
-        for k, v in a["state"][i].items():
-            w = b["state"][i][k]
-            if isinstance(v, torch.Tensor):
-                assert v.dtype == w.dtype and v.shape == w.shape, (i, k)
-                assert torch.equal(v.cpu(), w.cpu()), (i, k)
-            else:
-                assert v == w, (i, k)
 
 
 class _Odd(torch.optim.Optimizer):
@@ -105,20 +83,29 @@ class _Traffic:
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, int, int]] = []  # (op, peer global rank, numel)
-        for name, peer in (("isend", "dst"), ("irecv", "src"), ("recv", "src"), ("broadcast", "src")):
+        for name, peer in (
+            ("isend", "dst"),
+            ("irecv", "src"),
+            ("recv", "src"),
+            ("broadcast", "src"),
+        ):
             real = getattr(dist, name)
             mp.setattr(dist, name, self._wrap(name, peer, real))
 
     def _wrap(self, name: str, peer: str, real: Any) -> Any:
         def wrapped(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, int(kwargs.get(peer, args[0] if args else -1)), tensor.numel()))
+            self.calls.append(
+                (name, int(kwargs.get(peer, args[0] if args else -1)), tensor.numel())
+            )
             return real(tensor, *args, **kwargs)
 
         return wrapped
 
 
 def _numel_of(state: dict[int, dict[str, Any]]) -> int:
-    return sum(v.numel() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
 
 
 @world(3)
@@ -131,8 +118,8 @@ def test_tensors_go_only_to_the_recipient_and_match() -> None:
     model = copy.deepcopy(ref_model)
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-    _train(ref_model, ref, 2)
-    _train(model, opt, 2)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
     own = _numel_of(opt.local_state_dict()["state"])
     rank = dist.get_rank()
     with pytest.MonkeyPatch.context() as mp:
@@ -146,7 +133,7 @@ def test_tensors_go_only_to_the_recipient_and_match() -> None:
     if rank == 1:
         assert ops <= {"irecv"}
         assert sum(n for _, _, n in traffic.calls) == _numel_of(ref.state_dict()["state"]) - own
-        _assert_state_equal(opt.state_dict(), ref.state_dict())
+        assert_state_equal(opt.state_dict(), ref.state_dict())
         assert len(traffic.calls) > 4  # several messages per source: the plan was exercised
     else:
         assert ops <= {"isend"} and {peer for _, peer, _ in traffic.calls} <= {1}
@@ -165,8 +152,8 @@ def test_mixed_dtypes_empty_tensors_and_plain_values(recipient: int, staged: boo
     model = copy.deepcopy(ref_model)
     ref = _Odd(ref_model.parameters())
     opt = ShardedOptimizer(model.parameters(), optim=_Odd, lr=0.01)
-    _train(ref_model, ref, 2)
-    _train(model, opt, 2)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(c, "_DIRECT_BYTES", 200)
         mp.setattr(c, "_PACK_BYTES", 100)
@@ -175,20 +162,20 @@ def test_mixed_dtypes_empty_tensors_and_plain_values(recipient: int, staged: boo
         opt.consolidate_state_dict(recipient_rank=recipient)
     if recipient in (-1, dist.get_rank()):
         sd = opt.state_dict()
-        _assert_state_equal(sd, ref.state_dict())
+        assert_state_equal(sd, ref.state_dict())
         # the result is a snapshot: it does not alias live state
-        _train(model, opt, 1, start=2)
-        _train(ref_model, ref, 1, start=2)
+        train(model, opt, 1, start=2)
+        train(ref_model, ref, 1, start=2)
         assert not torch.equal(sd["state"][0]["acc"], ref.state_dict()["state"][0]["acc"])
     else:
-        _train(model, opt, 1, start=2)
+        train(model, opt, 1, start=2)
 
 
 @world(2)
 def test_bad_arguments_on_one_rank_raise_on_every_rank() -> None:
     model = _model()
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.01, momentum=0.9)
-    _train(model, opt, 1)
+    train(model, opt, 1)
     rank = dist.get_rank()
     if rank == 0:
         with pytest.raises(TypeError, match=r"skip must be a callable.*str: 'experts'"):
@@ -227,16 +214,17 @@ def test_moe_experts_in_a_world_size_1_group(tmp_path: Any) -> None:
         assert e.world_size == 1
         return dense, expert, d, e
 
-    def train(parts: tuple[nn.Module, nn.Module, ShardedOptimizer, ShardedOptimizer], n: int,
-              start: int) -> None:
+    def train_both(
+        parts: tuple[nn.Module, nn.Module, ShardedOptimizer, ShardedOptimizer], n: int, start: int
+    ) -> None:
         dense, expert, d, e = parts
-        _train(dense, d, n, start)
-        _train(expert, e, n, start)
+        train(dense, d, n, start)
+        train(expert, e, n, start)
 
     ref = build()
-    train(ref, 4, 0)
+    train_both(ref, 4, 0)
     run = build()
-    train(run, 2, 0)
+    train_both(run, 2, 0)
     dense_sd = run[2].state_dict(all_ranks=True)  # gathered (every rank, to reload below)
     if rank == 1:
         run[3].consolidate_state_dict(recipient_rank=0)  # alone: no other rank participates
@@ -251,7 +239,7 @@ def test_moe_experts_in_a_world_size_1_group(tmp_path: Any) -> None:
     resumed[1].load_state_dict(saved_models[1])
     resumed[2].load_state_dict(dense_sd)
     resumed[3].load_state_dict(torch.load(path))
-    train(resumed, 2, 2)
+    train_both(resumed, 2, 2)
     for m_ref, m_res in ((ref[0], resumed[0]), (ref[1], resumed[1])):
         for a, b in zip(m_ref.parameters(), m_res.parameters(), strict=True):
             assert torch.equal(a, b)
@@ -266,14 +254,15 @@ def test_skipped_state_saved_per_rank_round_trips(tmp_path: Any) -> None:
     model = copy.deepcopy(ref_model)
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-    _train(ref_model, ref, 4)
-    _train(model, opt, 2)
+    train(ref_model, ref, 4)
+    train(model, opt, 2)
     big = {id(p) for p in model[2].parameters()}  # the middle Linear: global indices 2, 3
     opt.consolidate_state_dict(recipient_rank=0, skip=lambda p: id(p) in big)
     params = [p for g in opt.param_groups for p in g["params"]]
     local = opt.local_state_dict()["state"]
-    torch.save({i: st for i, st in local.items() if id(params[i]) in big},
-               tmp_path / f"skipped{rank}.pt")
+    torch.save(
+        {i: st for i, st in local.items() if id(params[i]) in big}, tmp_path / f"skipped{rank}.pt"
+    )
     if rank == 0:
         sd = opt.state_dict()
         assert sd["state"].keys() == set(range(6))
@@ -286,6 +275,6 @@ def test_skipped_state_saved_per_rank_round_trips(tmp_path: Any) -> None:
     sd = torch.load(tmp_path / "optim.pt")
     sd["state"].update(torch.load(tmp_path / f"skipped{rank}.pt"))
     fresh.load_state_dict(sd)
-    _train(fresh_model, fresh, 2, start=2)
+    train(fresh_model, fresh, 2, start=2)
     for a, b in zip(ref_model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -34,7 +34,9 @@ def test_storage_use_count_pin() -> None:
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+    )
 
 
 class _Pair:
@@ -67,7 +69,9 @@ class _Pair:
         """This rank's live state tensors by global index."""
         params = list(self.model.parameters())
         return {
-            i: dict(self.opt.optim.state[p]) for i, p in enumerate(params) if p in self.opt.optim.state
+            i: dict(self.opt.optim.state[p])
+            for i, p in enumerate(params)
+            if p in self.opt.optim.state
         }
 
 

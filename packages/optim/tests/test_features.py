@@ -27,8 +27,12 @@ def _loss(model: nn.Module, step: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def _train_pair(
-    ref_model: nn.Module, ref: torch.optim.Optimizer, model: nn.Module,
-    opt: torch.optim.Optimizer, steps: int, start: int = 0,
+    ref_model: nn.Module,
+    ref: torch.optim.Optimizer,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    start: int = 0,
 ) -> None:
     for s in range(start, start + steps):
         for m, o in ((ref_model, ref), (model, opt)):
@@ -63,8 +67,12 @@ def test_clip_grad_norm_matches_torch(norm_type: float) -> None:
     assert hn.dtype == torch.float32 and math.isclose(hn.item(), exp_h, rel_tol=1e-5)
     # filter: only the first layer
     first = list(model.parameters())[:2]
-    n = opt.clip_grad_norm(1e9, 2.0, filter_params_fn=lambda ps: [p for p in ps if any(p is f for f in first)])
-    exp = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in first]))  # type: ignore[union-attr]
+    n = opt.clip_grad_norm(
+        1e9, 2.0, filter_params_fn=lambda ps: [p for p in ps if any(p is f for f in first)]
+    )
+    exp = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in first])
+    )  # type: ignore[union-attr]
     torch.testing.assert_close(n, exp, rtol=1e-6, atol=0)
 
 
@@ -206,6 +214,8 @@ def test_params_mismatch_between_ranks_raises_everywhere() -> None:
     # different param-group layouts too
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     ps = list(model.parameters())
-    groups: Any = [{"params": ps[:2]}, {"params": ps[2:]}] if dist.get_rank() == 0 else [{"params": ps}]
+    groups: Any = (
+        [{"params": ps[:2]}, {"params": ps[2:]}] if dist.get_rank() == 0 else [{"params": ps}]
+    )
     with pytest.raises(ValueError, match="disagree"):
         ShardedOptimizer(groups, optim=torch.optim.SGD, lr=0.1)

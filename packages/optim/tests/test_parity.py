@@ -43,7 +43,11 @@ class _SignSGD(torch.optim.Optimizer):
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3, bias=False),
+        nn.Linear(6, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3, bias=False),
         nn.Linear(3, 2),
     )
 
@@ -61,9 +65,16 @@ def _groups(model: nn.Module, two_groups: bool, lrs: tuple[float, float]) -> Any
 
 
 def _run_pair(
-    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], *, steps: int = 4,
-    two_groups: bool = False, scheduler: bool = False, closure: bool = False,
-    step_kwargs: dict[str, Any] | None = None, fp16: bool = False, group: Any = None,
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    *,
+    steps: int = 4,
+    two_groups: bool = False,
+    scheduler: bool = False,
+    closure: bool = False,
+    step_kwargs: dict[str, Any] | None = None,
+    fp16: bool = False,
+    group: Any = None,
     algorithm: str = "sorted_greedy",
 ) -> tuple[nn.Module, nn.Module, ShardedOptimizer]:
     lrs = (kwargs.get("lr", 0.01), kwargs.get("lr", 0.01) * 3)
@@ -73,19 +84,28 @@ def _run_pair(
     ddp = DDP(model, process_group=group)
     ref_opt = cls(_groups(ref_model, two_groups, lrs), **kwargs)
     opt = ShardedOptimizer(
-        _groups(model, two_groups, lrs), optim=cls, group=group, broadcast_fp16=fp16,
-        partition_algorithm=algorithm, **kwargs,
+        _groups(model, two_groups, lrs),
+        optim=cls,
+        group=group,
+        broadcast_fp16=fp16,
+        partition_algorithm=algorithm,
+        **kwargs,
     )
     scheds = []
     if scheduler:
-        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ref_opt, opt)]
+        scheds = [
+            torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ref_opt, opt)
+        ]
     sk = step_kwargs or {}
     for s in range(steps):
         x, y = _batch(s)
         for net, o in ((ref, ref_opt), (ddp, opt)):
+
             def fn(
-                net: nn.Module = net, o: torch.optim.Optimizer = o,
-                x: torch.Tensor = x, y: torch.Tensor = y,
+                net: nn.Module = net,
+                o: torch.optim.Optimizer = o,
+                x: torch.Tensor = x,
+                y: torch.Tensor = y,
             ) -> torch.Tensor:
                 o.zero_grad()
                 loss = nn.functional.mse_loss(net(x), y)
@@ -132,7 +152,11 @@ def test_parity_with_ddp(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any
 @world(3)
 def test_parity_world3_scheduler_closure_kwargs() -> None:
     ref, model, opt = _run_pair(
-        _SignSGD, {"lr": 0.02}, two_groups=True, scheduler=True, closure=True,
+        _SignSGD,
+        {"lr": 0.02},
+        two_groups=True,
+        scheduler=True,
+        closure=True,
         step_kwargs={"scale": 0.5},
     )
     _assert_same(ref, model)

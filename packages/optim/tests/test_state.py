@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _optim_testkit import assert_state_equal, train
 from shardkit.optim import ShardedOptimizer
 from shardkit.testing import world
 from torch import nn
@@ -27,28 +28,6 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "weight_decay": 0.01}]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
-    for s in range(start, start + steps):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 2, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
-def _assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for i in a["state"]:
-        assert a["state"][i].keys() == b["state"][i].keys(), i
-        for k, v in a["state"][i].items():
-            w = b["state"][i][k]
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v.cpu(), w.cpu()), (i, k)
-            else:
-                assert v == w, (i, k)
-
-
 def _pair(cls: type[torch.optim.Optimizer] = torch.optim.AdamW) -> tuple[Any, ...]:
     ref_model = _model()
     model = copy.deepcopy(ref_model)
@@ -61,22 +40,24 @@ def _pair(cls: type[torch.optim.Optimizer] = torch.optim.AdamW) -> tuple[Any, ..
 @world(2)
 def test_consolidated_matches_plain_optimizer(recipient: int) -> None:
     ref_model, ref, model, opt = _pair()
-    _train(ref_model, ref, 3)
-    _train(model, opt, 3)
+    train(ref_model, ref, 3)
+    train(model, opt, 3)
     opt.consolidate_state_dict(recipient_rank=recipient)
     if recipient in (-1, dist.get_rank()):
         sd = opt.state_dict()
-        _assert_state_equal(sd, ref.state_dict())
+        assert_state_equal(sd, ref.state_dict())
         assert all(
-            t.device.type == "cpu" for st in sd["state"].values() for t in st.values()
+            t.device.type == "cpu"
+            for st in sd["state"].values()
+            for t in st.values()
             if isinstance(t, torch.Tensor)
         )
         # it loads into the plain optimizer of the same class and continues identically
         plain_model = copy.deepcopy(model)
         plain = torch.optim.AdamW(_groups(plain_model), lr=0.01)
         plain.load_state_dict(sd)
-        _train(plain_model, plain, 2, start=3)
-        _train(ref_model, ref, 2, start=3)
+        train(plain_model, plain, 2, start=3)
+        train(ref_model, ref, 2, start=3)
         for a, b in zip(ref_model.parameters(), plain_model.parameters(), strict=True):
             assert torch.equal(a, b)
     else:
@@ -88,15 +69,15 @@ def test_consolidated_matches_plain_optimizer(recipient: int) -> None:
 def test_load_plain_state_dict_any_world_size() -> None:
     # a plain optimizer's dict from one process loads at world size 3 and training continues
     ref_model, ref, model, opt = _pair(torch.optim.Adam)
-    _train(ref_model, ref, 2)
+    train(ref_model, ref, 2)
     sd = copy.deepcopy(ref.state_dict())  # a snapshot: ref's own dict aliases its live state
     before = copy.deepcopy(sd)
     model.load_state_dict(ref_model.state_dict())
     opt.load_state_dict(sd)
-    _assert_state_equal(sd, before)  # the caller's dict is untouched ...
-    _train(model, opt, 2, start=2)
-    _assert_state_equal(sd, before)  # ... and not aliased by live state
-    _train(ref_model, ref, 2, start=2)
+    assert_state_equal(sd, before)  # the caller's dict is untouched ...
+    train(model, opt, 2, start=2)
+    assert_state_equal(sd, before)  # ... and not aliased by live state
+    train(ref_model, ref, 2, start=2)
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     # hyperparams came from the dict
@@ -106,12 +87,12 @@ def test_load_plain_state_dict_any_world_size() -> None:
 @world(2)
 def test_state_dict_all_ranks_and_staleness() -> None:
     _ref_model, _ref, model, opt = _pair(torch.optim.SGD)
-    _train(model, opt, 1)
+    train(model, opt, 1)
     sd = opt.state_dict(all_ranks=True)
     assert len(sd["param_groups"]) == 2
     sd["param_groups"][0]["lr"] = 123.0  # the returned dict is the caller's to mutate
     assert opt.state_dict()["param_groups"][0]["lr"] == 0.01
-    _train(model, opt, 1)
+    train(model, opt, 1)
     with pytest.raises(RuntimeError, match="stale"):
         opt.state_dict()
 
@@ -119,8 +100,8 @@ def test_state_dict_all_ranks_and_staleness() -> None:
 @world(2)
 def test_selective_consolidation_skips_tensors() -> None:
     ref_model, ref, model, opt = _pair(torch.optim.Adam)
-    _train(ref_model, ref, 2)
-    _train(model, opt, 2)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
     skipped = list(model.parameters())[2]  # second Linear's weight: global index 2
     opt.consolidate_state_dict(recipient_rank=0, skip=lambda p: p is skipped)
     local = opt.local_state_dict()["state"]
@@ -143,7 +124,7 @@ def test_selective_consolidation_skips_tensors() -> None:
 @world(2)
 def test_load_skips_meta_placeholders() -> None:
     _ref_model, _ref, model, opt = _pair(torch.optim.Adam)
-    _train(model, opt, 2)
+    train(model, opt, 2)
     opt.consolidate_state_dict(recipient_rank=-1, skip=lambda p: p.dim() == 1)
     sd = opt.state_dict()
     live = {i: st["exp_avg"].clone() for i, st in opt.local_state_dict()["state"].items()}
@@ -194,8 +175,8 @@ def test_consolidation_needs_no_numpy(tmp_path: Any) -> None:
     from shardkit.optim import save_sharded
 
     ref_model, ref, model, opt = _pair()
-    _train(ref_model, ref, 2)
-    _train(model, opt, 2)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
     with pytest.MonkeyPatch.context() as mp:
 
         def no_numpy(self: torch.Tensor, *args: object, **kwargs: object) -> None:
@@ -203,7 +184,7 @@ def test_consolidation_needs_no_numpy(tmp_path: Any) -> None:
 
         mp.setattr(torch.Tensor, "numpy", no_numpy)
         opt.consolidate_state_dict(recipient_rank=-1)
-        _assert_state_equal(opt.state_dict(), ref.state_dict())
+        assert_state_equal(opt.state_dict(), ref.state_dict())
         mp.setitem(sys.modules, "numpy", None)  # find_spec("numpy") -> None: "not installed"
         with pytest.raises(RuntimeError, match="pip install numpy"):
             save_sharded(opt, tmp_path / "ckpt")
