@@ -7,9 +7,14 @@ process's default process group), with pytest-benchmark writing
 benchmark recorded in ``extra_info`` first and the absolute timings beside them, with the machine
 the figures come from.
 
+GPU figures live apart, in ``docs/benchmarks/gpu/<package>.json`` (the CUDA benchmarks only,
+``-k cuda``), with the device, torch, CUDA and NCCL versions recorded beside pytest-benchmark's
+machine info; the page shows them in their own section.
+
 Usage:
     python tools/bench.py                 # all packages
     python tools/bench.py optim buckets   # some packages
+    python tools/bench.py --gpu offload   # the CUDA benchmarks, on a machine with a GPU
     python tools/bench.py --render-only   # rebuild docs/benchmarks.md from the JSON files
 """
 
@@ -60,6 +65,24 @@ def _run(root: Path, package: str, out_dir: Path, extra: list[str]) -> int:
     return rc
 
 
+def _record_device(json_path: Path) -> None:
+    """Adds the GPU, driver-side versions and host to a GPU run's JSON (``shardkit_device``)."""
+    import torch
+
+    data = json.loads(json_path.read_text())
+    props = torch.cuda.get_device_properties(0)
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    data["shardkit_device"] = {
+        "gpu": f"{props.name} ({props.total_memory // 2**20} MiB)",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": nccl,
+        "host": f"{os.cpu_count()} CPU cores",
+        "python": platform.python_version(),
+    }
+    json_path.write_text(json.dumps(data, indent=1))
+
+
 def _fmt_seconds(value: float) -> str:
     if value >= 1:
         return f"{value:.3f} s"
@@ -85,7 +108,7 @@ def _machine(data: dict[str, Any]) -> str:
 
 
 def render(root: Path, out_dir: Path) -> str:
-    """The Markdown page for every ``<package>.json`` under ``out_dir``."""
+    """The Markdown page for every ``<package>.json`` under ``out_dir`` (and ``out_dir/gpu``)."""
     lines = [
         "# Benchmarks",
         "",
@@ -94,10 +117,20 @@ def render(root: Path, out_dir: Path) -> str:
         "implementations measured in the same run) come first; absolute timings follow.",
         "",
     ]
-    for json_path in sorted(out_dir.glob("*.json")):
+    gpu = sorted((out_dir / "gpu").glob("*.json"))
+    for json_path in [*sorted(out_dir.glob("*.json")), *gpu]:
         data = json.loads(json_path.read_text())
         package = json_path.stem
-        lines += [f"## shardkit-{package}", "", f"Machine: {_machine(data)}.", ""]
+        device = data.get("shardkit_device")
+        if device:
+            machine = (
+                f"{device['gpu']}, torch {device['torch']}, CUDA {device['cuda']}, NCCL "
+                f"{device['nccl']}, {device['host']}, Python {device['python']}, "
+                f"{data.get('datetime', '')[:19]}"
+            )
+            lines += [f"## shardkit-{package} on GPU", "", f"Machine: {machine}.", ""]
+        else:
+            lines += [f"## shardkit-{package}", "", f"Machine: {_machine(data)}.", ""]
         benches = data.get("benchmarks", [])
         ratio_rows = [
             (b["name"], k, v)
@@ -133,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("packages", nargs="*", help="packages to benchmark (default: all)")
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--render-only", action="store_true")
+    parser.add_argument(
+        "--gpu", action="store_true", help="run the CUDA benchmarks into docs/benchmarks/gpu/"
+    )
     parser.add_argument("--pytest-args", default="", help="extra arguments for pytest")
     args = parser.parse_args(argv)
     root: Path = args.root.resolve()
@@ -144,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(chosen) - set(available))
         if unknown:
             parser.error(f"no benchmarks for {unknown}; packages with benchmarks: {available}")
+        extra = args.pytest_args.split() + (["-k", "cuda"] if args.gpu else [])
+        run_dir = out_dir / "gpu" if args.gpu else out_dir
         for package in chosen:
-            if _run(root, package, out_dir, args.pytest_args.split()) != 0:
+            if _run(root, package, run_dir, extra) != 0:
                 failures.append(package)
+            elif args.gpu:
+                _record_device(run_dir / f"{package}.json")
     (root / "docs" / "benchmarks.md").write_text(render(root, out_dir))
     print(f"wrote {root / 'docs' / 'benchmarks.md'}")
     if failures:

@@ -53,7 +53,10 @@ def test_cuda_parity_with_device_model(ckpt: bool, mbs: int) -> None:
         torch.testing.assert_close(p.grad, p_ref.grad.cpu(), rtol=1e-4, atol=1e-5)
 
 
-def test_cuda_peak_memory_below_device_model() -> None:
+def test_cuda_peak_memory_two_slices_plus_streamed_gradients() -> None:
+    """Peak device memory of a train step: the two resident slices, a couple of gradients in
+    flight to the host (streamed, see [Note: Streamed gradients]) and small activations; well
+    below the all-on-device model's."""
     torch.manual_seed(0)
     d, n, slices = 1024, 16, 8
     x = torch.randn(8, d, device="cuda")
@@ -64,19 +67,27 @@ def test_cuda_peak_memory_below_device_model() -> None:
     ref(x).sum().backward()
     torch.cuda.synchronize()
     peak_ref = torch.cuda.max_memory_allocated() - base
-    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
     model = OffloadModel(ref.cpu(), "cuda", num_slices=slices, checkpoint_activation=True)
     del ref
     torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    model(x).sum().backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    assert peak < peak_ref
-    # two resident slices (plus the per-slice gradient being copied out) and small activations
-    assert peak < 4 * param_bytes / slices + 64 * 2**20
+    slice_bytes = max(
+        sum(g.host.numel() * g.host.element_size() for g in store.groups)
+        for store in model._engine.stores
+    )
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    for _ in range(2):  # the second step runs with every cache warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < peak_ref
+        assert peak <= 2 * slice_bytes + 2 * largest + 4 * 2**20, (
+            f"peak {peak / 2**20:.1f} MiB, slice {slice_bytes / 2**20:.1f} MiB, "
+            f"largest param {largest / 2**20:.1f} MiB"
+        )
+        model.zero_grad(set_to_none=True)
 
 
 def test_cuda_blocks_parity() -> None:

@@ -286,6 +286,38 @@ def test_staged_storage_is_freed_when_not_resident() -> None:
             assert g.device_flat is not None and g.device_flat.untyped_storage().nbytes() == 0
 
 
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_staged_gradients_stream_out_one_at_a_time(
+    ckpt: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each device gradient is copied out and dropped as soon as autograd produces it, so no
+    more than one of a slice's gradients is alive on the device at a time (the GPU memory
+    bound; see [Note: Streamed gradients]), and the result still matches the plain model."""
+    from shardkit.offload._storage import _SliceStore
+
+    ref, src = _make(0, _mlp)
+    model = OffloadModel(
+        src, "cpu", num_slices=2, checkpoint_activation=ckpt, stage_on_same_device=True
+    )
+    alive: list[int] = []
+    original = _SliceStore._stream_out
+
+    def counting(self: _SliceStore, gi: int, k: int) -> None:
+        views = [v for g in self.groups for v in (g.device_views or [])]
+        alive.append(sum(v.grad is not None for v in views))
+        original(self, gi, k)
+
+    monkeypatch.setattr(_SliceStore, "_stream_out", counting)
+    x = torch.randn(4, 6)
+    _step(ref, x, 1)
+    _step(model, x, 1)
+    assert len(alive) == sum(p.requires_grad for p in ref.parameters())
+    assert max(alive) == 1
+    for store in model._engine.stores:
+        assert all(v.grad is None for g in store.groups for v in (g.device_views or []))
+    _assert_params_equal(ref, model)
+
+
 def test_state_dict_and_optimizer_identity_are_kept() -> None:
     ref, src = _make(0, lambda: _mlp(bn=True))
     params_before = list(src.parameters())

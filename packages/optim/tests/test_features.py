@@ -76,6 +76,31 @@ def test_clip_grad_norm_matches_torch(norm_type: float) -> None:
     torch.testing.assert_close(n, exp, rtol=1e-6, atol=0)
 
 
+def test_collective_device_per_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gloo reduces CPU and CUDA tensors where they are (the clip norm then stays on the grads'
+    device, as with torch's clip_grad_norm_); NCCL only CUDA ones. Found on a GPU: the norm of
+    CUDA grads over Gloo came back on the CPU."""
+    from shardkit.optim import _dist
+
+    for backend, cpu, cuda in (("gloo", True, True), ("nccl", False, True)):
+        monkeypatch.setattr(_dist.dist, "get_backend", lambda group=None, b=backend: b)
+        assert _dist._reduces_on(None, torch.device("cpu")) is cpu  # type: ignore[arg-type]
+        assert _dist._reduces_on(None, torch.device("cuda", 0)) is cuda  # type: ignore[arg-type]
+        assert _dist._reduces_on(None, torch.device("meta")) is False  # type: ignore[arg-type]
+
+
+@world(2)
+def test_clip_norm_lives_where_the_grads_do() -> None:
+    """Also on a rank that owns no gradient (a frozen shard)."""
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    _loss(model, 0).backward()
+    for p in opt.owned_params if dist.get_rank() == 1 else []:
+        p.grad = None
+    norm = opt.clip_grad_norm(1.0)
+    assert norm.device == next(model.parameters()).device and norm.dtype == torch.float32
+
+
 @world(2)
 def test_grad_scaler_skips_on_every_rank() -> None:
     ref_model = _model()

@@ -25,7 +25,7 @@ from shardkit.overlap import (
     hook_with_zero_step_interleaved,
     register_zero_overlap,
 )
-from shardkit.testing import world
+from shardkit.testing import rank_cuda_device, world
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -347,5 +347,27 @@ def test_register_helper_and_generic_optimizer() -> None:
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_nccl(interleaved: bool) -> None:
     """Same parity on NCCL (skipped without 2 GPUs)."""
-    torch.cuda.set_device(dist.get_rank())
-    _run(optim="adam", interleaved=interleaved, bucket_view=True, device=f"cuda:{dist.get_rank()}")
+    _run(optim="adam", interleaved=interleaved, bucket_view=True, device=str(rank_cuda_device()))
+
+
+@world(1, backend="nccl")
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_nccl_world1(interleaved: bool) -> None:
+    """NCCL at world size 1: the hooks' CUDA path with a real NCCL group (skipped without a GPU)."""
+    _run(optim="adam", interleaved=interleaved, bucket_view=True, device=str(rank_cuda_device()))
+
+
+@pytest.mark.cuda
+@world(2)
+@pytest.mark.parametrize(
+    ("interleaved", "reduce_to_owner"), [(True, False), (False, False), (True, True)]
+)
+def test_gloo_ranks_sharing_a_gpu(interleaved: bool, reduce_to_owner: bool) -> None:
+    """Multi-rank CUDA path: two Gloo ranks on one GPU (skipped without a GPU)."""
+    _run(
+        optim="adamw",
+        interleaved=interleaved,
+        bucket_view=True,
+        device=str(rank_cuda_device()),
+        reduce_to_owner=reduce_to_owner,
+    )

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.testing import WorldSpec, free_port, world
+from shardkit.testing import WorldSpec, free_port, rank_cuda_device, world
 
 # -- tier 2: bodies that run on the ranks ----------------------------------------------------
 
@@ -64,6 +64,28 @@ def test_monkeypatch_on_ranks_is_undone_part2() -> None:
     # Same reused world as part 1 (it runs right after it): nothing leaked.
     assert dist.get_world_size() == 2
     assert "SHARDKIT_LEAK_CHECK" not in os.environ
+
+
+@world(2)
+def test_rank_cuda_device() -> None:
+    """Each rank's CUDA device (shared GPUs over Gloo), or a clear error without a GPU."""
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU and none is visible"):
+            rank_cuda_device()
+        return
+    device = rank_cuda_device()
+    assert device.index == dist.get_rank() % torch.cuda.device_count()
+    assert torch.cuda.current_device() == device.index
+    t = torch.full((4,), float(dist.get_rank() + 1), device=device)
+    dist.all_reduce(t)  # Gloo over CUDA tensors
+    assert t.tolist() == [3.0] * 4
+
+
+def test_rank_cuda_device_needs_a_rank() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("the no-GPU error is covered by test_rank_cuda_device")
+    with pytest.raises(RuntimeError, match="inside a @world test body"):
+        rank_cuda_device()
 
 
 @world(1, backend="nccl")
@@ -253,14 +275,20 @@ def test_rank_skips():
 
 @pytest.mark.cuda
 def test_cuda_marked():
-    raise AssertionError("must not run")
+    import torch
+    assert torch.cuda.is_available(), "must be skipped where no GPU is visible"
 ''')
     result = pytester.runpytest_subprocess("-q", "-rs", "-p", "no:cacheprovider")
-    result.assert_outcomes(skipped=3)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert gpus < 8, "this test expects the 8-GPU NCCL world to be skipped"
     out = result.stdout.str()
     assert "needs 8 CUDA GPU(s) for the NCCL backend" in out
     assert "rank 0: not relevant on this world" in out
-    assert "needs a CUDA GPU" in out
+    if gpus:  # the cuda-marked test runs where a GPU is visible
+        result.assert_outcomes(skipped=2, passed=1)
+    else:
+        result.assert_outcomes(skipped=3)
+        assert "needs a CUDA GPU" in out
 
 
 def test_unpicklable_fixture_is_a_clear_error(pytester: pytest.Pytester) -> None:

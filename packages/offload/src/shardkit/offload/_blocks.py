@@ -191,23 +191,11 @@ class _BlockFunction(torch.autograd.Function):
         else:
             assert run.graph is not None  # set by a non-checkpointed forward
             xd, outs = run.graph
-        leaves = store.grad_leaves()
         pairs = [
             (t, g) for t, g in zip(outs, grads, strict=True) if t.requires_grad and g is not None
         ]
-        x_req = [k for k, t in enumerate(xd) if t.requires_grad]
-        targets = [xd[k] for k in x_req] + leaves
-        res: list[torch.Tensor | None] = [None] * len(targets)
-        if pairs and targets:
-            res = list(
-                torch.autograd.grad(
-                    [t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
-                )
-            )
-        input_grads: list[torch.Tensor | None] = [None] * len(xd)
-        for k, r in zip(x_req, res[: len(x_req)], strict=True):
-            input_grads[k] = r
-        host = store.grads_to_host(res[len(x_req) :], engine.streams)
+        input_grads, host = store.backward(pairs, xd, engine.streams, first=True, last=True)
+        assert host is not None  # the last (only) micro-batch hands out the parameter gradients
         engine.release(i)
         if i == 0:
             engine.release_all()

@@ -262,8 +262,6 @@ class _Engine:
             self.prefetch(i - 1)
             self.load_boundaries(run, i - 1)
             store = self.stores[i]
-            leaves = store.grad_leaves()
-            acc: list[torch.Tensor | None] = [None] * len(leaves)
             grads_in: list[list[torch.Tensor | None]] = []
             if self.checkpoint:
                 self.streams.compute_wait(run.loaded_ready.pop(i, None))
@@ -281,23 +279,12 @@ class _Engine:
                 pairs = [
                     (t, g) for t, g in zip(y, go, strict=True) if t.requires_grad and g is not None
                 ]
-                x_req = [k for k, t in enumerate(x) if t.requires_grad]
-                targets = [x[k] for k in x_req] + leaves
-                res: Sequence[torch.Tensor | None]
-                if pairs and targets:
-                    res = torch.autograd.grad(
-                        [t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
-                    )
-                else:
-                    res = [None] * len(targets)
-                gin: list[torch.Tensor | None] = [None] * len(x)
-                for k, r in zip(x_req, res[: len(x_req)], strict=True):
-                    gin[k] = r
+                gin, param_grads = store.backward(
+                    pairs, x, self.streams, first=m == 0, last=m == len(grad_mbs) - 1
+                )
                 grads_in.append(gin)
-                for k, r in enumerate(res[len(x_req) :]):
-                    if r is not None:
-                        prev = acc[k]
-                        acc[k] = r if prev is None else prev + r
+                if param_grads is not None:
+                    host_grads[i] = param_grads
             if self.checkpoint:
                 for x in run.loaded.pop(i):
                     for t in x:
@@ -305,7 +292,6 @@ class _Engine:
                 run.saved[i] = []
             else:
                 run.graphs[i] = []
-            host_grads[i] = store.grads_to_host(acc, self.streams)
             self.release(i)
             grad_mbs = grads_in
         self.release_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class _Entry:
     shape: torch.Size
     requires_grad: bool
     host_tensor: torch.Tensor  # the module's parameter (a view of the flat host buffer) or buffer
+    grad_offset: int  # offset in the group's flat host gradient (-1: no gradient)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class _Group:
     host: torch.Tensor
     device_flat: torch.Tensor | None = None  # owns the device storage (resized to 0 if evicted)
     device_views: list[torch.Tensor] | None = None
+    grad_numel: int = 0  # elements of the parameters that require grad
 
     @property
     def numel(self) -> int:
@@ -60,6 +63,19 @@ class _Group:
 # Otherwise (compute device == offload device, e.g. CPU training) the slice computes with the
 # host tensors directly ("aliased"): loads and evictions are bookkeeping only.
 
+# [Note: Streamed gradients]
+# A staged slice's backward runs `torch.autograd.backward(..., inputs=...)` into the device
+# views' `.grad`, so gradients accumulate over micro-batches on the device as autograd's own
+# AccumulateGrad does (same additions in the same order as a plain model). On the last
+# micro-batch a post-accumulate-grad hook on each view copies its finished gradient into a
+# pinned host buffer on the d2h stream as soon as autograd produces it and drops `.grad`
+# (record_stream keeps the block until the copy is done); the hook waits while more than the
+# slice's largest gradient is queued (see [Note: Copy stream ordering], point 5). So at most
+# two gradients are on the device at once instead of the whole slice's (plus its
+# concatenation): device memory in backward is the two resident slices plus two gradients. Views
+# that got a gradient without their hook running are flushed the same way at the end. Aliased
+# slices use `torch.autograd.grad` and accumulate the micro-batches' results in `_acc`.
+
 
 class _SliceStore:
     """Parameters and buffers of one slice, on the host and (while resident) on the device."""
@@ -79,6 +95,11 @@ class _SliceStore:
         self.resident = False
         self.ready: torch.cuda.Event | None = None
         self.groups: list[_Group] = []
+        # gradient state of one backward, see [Note: Streamed gradients]
+        self._acc: list[torch.Tensor | None] | None = None
+        self._streaming: _Streams | None = None
+        self._host_flat: dict[int, torch.Tensor] = {}
+        self._host_grads: dict[tuple[int, int], torch.Tensor] = {}
         params = list(module.named_parameters())
         buffers = list(module.named_buffers())
         for is_param, named in ((True, params), (False, buffers)):
@@ -89,17 +110,36 @@ class _SliceStore:
             for dtype in dtypes:
                 self.groups.append(
                     self._make_group(
-                        is_param, dtype, [(n, t) for n, t in named if t.dtype == dtype]
+                        len(self.groups),
+                        is_param,
+                        dtype,
+                        [(n, t) for n, t in named if t.dtype == dtype],
                     )
                 )
+        self._largest_grad_bytes = max(
+            (
+                e.numel * g.host.element_size()
+                for g in self.groups
+                for e in g.entries
+                if e.requires_grad
+            ),
+            default=0,
+        )
+        self._leaf_keys = [
+            (gi, k)
+            for gi, g in enumerate(self.groups)
+            if g.is_param
+            for k, e in enumerate(g.entries)
+            if e.requires_grad
+        ]
 
     def _make_group(
-        self, is_param: bool, dtype: torch.dtype, named: list[tuple[str, torch.Tensor]]
+        self, gi: int, is_param: bool, dtype: torch.dtype, named: list[tuple[str, torch.Tensor]]
     ) -> _Group:
         total = sum(t.numel() for _, t in named)
         host = torch.empty(total, dtype=dtype, device=self.offload_device, pin_memory=self.pin)
         entries: list[_Entry] = []
-        offset = 0
+        offset = grad_offset = 0
         for name, t in named:
             owner_name, _, attr = name.rpartition(".")
             owner = self.module.get_submodule(owner_name)
@@ -112,6 +152,7 @@ class _SliceStore:
             else:
                 setattr(owner, attr, view)
                 host_tensor = view
+            needs_grad = is_param and t.requires_grad
             entries.append(
                 _Entry(
                     name,
@@ -120,12 +161,14 @@ class _SliceStore:
                     offset,
                     t.numel(),
                     t.shape,
-                    is_param and t.requires_grad,
+                    needs_grad,
                     host_tensor,
+                    grad_offset if needs_grad else -1,
                 )
             )
             offset += t.numel()
-        group = _Group(is_param, dtype, entries, host)
+            grad_offset += t.numel() if needs_grad else 0
+        group = _Group(is_param, dtype, entries, host, grad_numel=grad_offset)
         if self.staged:
             flat = torch.empty(total, dtype=dtype, device=self.device)
             flat.untyped_storage().resize_(0)
@@ -133,9 +176,13 @@ class _SliceStore:
                 flat.untyped_storage(), 0, (total,), (1,)
             )
             views = []
-            for e in entries:
+            for k, e in enumerate(entries):
                 v = alias[e.offset : e.offset + e.numel].view(e.shape).detach()
                 v.requires_grad_(e.requires_grad)
+                if e.requires_grad:
+                    v.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        lambda _v, gi=gi, k=k: self._on_grad(gi, k)
+                    )
                 views.append(v)
             group.device_flat = flat
             group.device_views = views
@@ -221,41 +268,111 @@ class _SliceStore:
             e.host_tensor for g in self.groups if g.is_param for e in g.entries if e.requires_grad
         ]
 
-    def grads_to_host(
-        self, grads: list[torch.Tensor | None], streams: _Streams
-    ) -> list[torch.Tensor | None]:
-        """Copy device gradients (in :meth:`grad_leaves` order) into fresh host tensors.
+    # ---------------------------------------------------------------- backward
 
-        One flat copy per dtype group; the returned host gradients are views of it and are
-        complete only after the d2h stream is synchronised (see [Note: Copy stream ordering]).
+    def backward(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs: Sequence[torch.Tensor],
+        streams: _Streams,
+        first: bool,
+        last: bool,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
+        """Backpropagate one micro-batch through the slice's graph.
+
+        Args:
+            pairs: (output, gradient) pairs of the slice's outputs that need a gradient.
+            inputs: The slice's (detached) inputs; those requiring grad get one.
+            streams: The stream layer (gradient copies go on its d2h stream).
+            first: Whether this is the first micro-batch: gradient state left over from an
+                earlier backward that raised half-way is dropped.
+            last: Whether this is the last micro-batch of the backward: the parameter gradients
+                accumulated over the micro-batches are then handed out.
+
+        Returns:
+            The input gradients (``None`` where not required or unused) and, when ``last``, the
+            parameter gradients in :meth:`grad_leaves` order (host tensors, complete once the
+            d2h stream is synchronised), else ``None``. See [Note: Streamed gradients].
         """
+        leaves = self.grad_leaves()
+        if first:
+            self._reset_grads(leaves)
+        x_req = [k for k, t in enumerate(inputs) if t.requires_grad]
+        input_grads: list[torch.Tensor | None] = [None] * len(inputs)
         if not self.staged:
-            return grads
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        k = 0
-        for g in self.groups:
-            if not g.is_param:
-                continue
-            idx: list[int] = []
-            for e in g.entries:
-                if e.requires_grad:
-                    if grads[k] is not None:
-                        idx.append(k)
-                    k += 1
-            if not idx:
-                continue
-            parts = [grads[j] for j in idx]
-            flat = torch.cat([p.reshape(-1) for p in parts if p is not None])
+            targets = [inputs[k] for k in x_req] + leaves
+            res: Sequence[torch.Tensor | None] = [None] * len(targets)
+            if pairs and targets:
+                res = torch.autograd.grad(
+                    [t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+                )
+            if self._acc is None:
+                self._acc = [None] * len(leaves)
+            for j, r in enumerate(res[len(x_req) :]):
+                if r is not None:
+                    prev = self._acc[j]
+                    self._acc[j] = r if prev is None else prev + r
+        else:
+            if last:
+                self._streaming = streams
+            targets = [inputs[k] for k in x_req] + leaves
+            if pairs and targets:
+                torch.autograd.backward(
+                    [t for t, _ in pairs], [g for _, g in pairs], inputs=targets
+                )
+            res = []
+            for k in x_req:
+                res.append(inputs[k].grad)
+                inputs[k].grad = None
+        for k, r in zip(x_req, res[: len(x_req)], strict=True):
+            input_grads[k] = r
+        if not last:
+            return input_grads, None
+        if not self.staged:
+            acc, self._acc = self._acc, None
+            return input_grads, acc
+        for gi, g in enumerate(self.groups):  # leaves with a gradient whose hook did not fire
+            for k, v in enumerate(g.device_views or []):
+                if v.grad is not None:
+                    self._stream_out(gi, k)
+        out = [self._host_grads.get(key) for key in self._leaf_keys]
+        self._reset_grads([])
+        return input_grads, out
+
+    def _reset_grads(self, leaves: list[torch.Tensor]) -> None:
+        self._acc = None
+        self._streaming = None
+        self._host_flat.clear()
+        self._host_grads.clear()
+        if self.staged:
+            for v in leaves:
+                v.grad = None
+
+    def _on_grad(self, gi: int, k: int) -> None:
+        """Post-accumulate-grad hook of a device view: stream it out on the last micro-batch."""
+        if self._streaming is not None:
+            self._stream_out(gi, k)
+
+    def _stream_out(self, gi: int, k: int) -> None:
+        """Copy device view ``k`` of group ``gi``'s gradient to the host and free it."""
+        streams = self._streaming
+        g = self.groups[gi]
+        assert streams is not None and g.device_views is not None  # staged, last micro-batch
+        view = g.device_views[k]
+        grad = view.grad
+        if grad is None:
+            return
+        view.grad = None
+        host = self._host_flat.get(gi)
+        if host is None:
             host = torch.empty(
-                flat.numel(), dtype=flat.dtype, device=self.offload_device, pin_memory=self.pin
+                g.grad_numel, dtype=g.dtype, device=self.offload_device, pin_memory=self.pin
             )
-            with streams.on_d2h():
-                host.copy_(flat, non_blocking=True)
-                streams.used_by_d2h(flat)
-            offset = 0
-            for j in idx:
-                gj = grads[j]
-                assert gj is not None  # idx holds only defined gradients
-                out[j] = host[offset : offset + gj.numel()].view(gj.shape)
-                offset += gj.numel()
-        return out
+            self._host_flat[gi] = host
+        e = g.entries[k]
+        dst = host[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
+        with streams.on_d2h():
+            dst.copy_(grad, non_blocking=True)
+            streams.used_by_d2h(grad)
+        streams.throttle_d2h(grad.numel() * grad.element_size(), self._largest_grad_bytes)
+        self._host_grads[(gi, k)] = dst

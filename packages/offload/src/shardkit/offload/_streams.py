@@ -8,6 +8,7 @@ so each operation is complete when it returns and every wait is a no-op.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +38,13 @@ __all__: list[str] = []
 #    synchronising the last d2h event (end of backward for gradients, end of forward for
 #    buffers written back), and the h2d stream waits on the d2h stream before every load, so
 #    a load never reads host memory that a write-back has not finished.
+# 5. Gradients in flight: on a GPU, backward produces gradients far faster than PCIe drains
+#    them, and a gradient block handed to the d2h stream is only reusable once its copy ran, so
+#    without a limit every gradient of a slice would pile up on the device. `throttle_d2h`
+#    blocks the calling thread (autograd's, inside the gradient hook) until the gradient bytes
+#    queued on the d2h stream are within a limit, keeping the device bound deterministic:
+#    the limit is one (the largest) gradient, so at most that one is copying while the next is
+#    produced. The copy engine stays busy, and backward on such a model is PCIe-bound anyway.
 
 
 class _Streams:
@@ -48,6 +56,8 @@ class _Streams:
         self._h2d: torch.cuda.Stream | None = None
         self._d2h: torch.cuda.Stream | None = None
         self._pending_done: list[torch.cuda.Event] = []
+        self._inflight: deque[tuple[torch.cuda.Event, int]] = deque()
+        self._inflight_bytes = 0
         if self.is_cuda:
             self._h2d = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._d2h = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -122,7 +132,23 @@ class _Streams:
         if self.is_cuda and tensor.device.type == "cuda":
             tensor.record_stream(self._compute())
 
+    def throttle_d2h(self, nbytes: int, limit: int) -> None:
+        """Account ``nbytes`` just queued on the d2h stream; wait while more than ``limit``
+        bytes are in flight (the newest copy always stays queued). See the Note, point 5."""
+        if self._d2h is None:
+            return
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._d2h)
+        self._inflight.append((event, nbytes))
+        self._inflight_bytes += nbytes
+        while len(self._inflight) > 1 and self._inflight_bytes > limit:
+            oldest, size = self._inflight.popleft()
+            oldest.synchronize()
+            self._inflight_bytes -= size
+
     def synchronize(self, event: torch.cuda.Event | None) -> None:
         """Block the calling thread until ``event`` completed (point 4)."""
         if event is not None:
             event.synchronize()
+        while self._inflight and self._inflight[0][0].query():  # type: ignore[no-untyped-call]
+            self._inflight_bytes -= self._inflight.popleft()[1]

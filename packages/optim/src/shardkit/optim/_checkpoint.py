@@ -2,8 +2,9 @@
 
 [Note: Checkpoint layout]
 Every state value is stored under its own DCP key ``state/<global index>/<state key>`` (see
-[Note: Global parameter index]); each rank writes only the keys of the params it owns, so no
-rank ever holds more than its shard. ``param_groups`` (hyperparams and global indices) and a small
+[Note: Global parameter index]), and with master weights every master under
+``master/<global index>`` (see [Note: Master weights]); each rank writes only the keys of the
+params it owns, so no rank ever holds more than its shard. ``param_groups`` (hyperparams and global indices) and a small
 ``shardkit_optim`` header are stored once. Loading at any world size reads DCP's metadata, asks for
 the keys of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding is
 a change of which keys each rank asks for, nothing else.
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._master import MASTER_KEY
 from shardkit.partition import all_gather_objects
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -45,11 +47,17 @@ _MARKER = "SHARDKIT_COMMIT"
 _FORMAT = "shardkit.optim.sharded/1"
 
 
+_MASTER_PREFIX = "master/"
+
+
 def _key(idx: int, name: str) -> str:
     return f"state/{idx}/{name}"
 
 
 def _parse(key: str) -> tuple[int, str] | None:
+    """``(global index, state key)`` of a state key, ``(global index, "")`` of a master key."""
+    if key.startswith(_MASTER_PREFIX):
+        return int(key[len(_MASTER_PREFIX) :]), ""
     if not key.startswith("state/"):
         return None
     _, idx, name = key.split("/", 2)
@@ -96,6 +104,8 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
     for idx, entry in local["state"].items():
         for name, value in entry.items():
             sd[_key(idx, name)] = value.detach() if isinstance(value, torch.Tensor) else value
+    for idx, master in local.get(MASTER_KEY, {}).items():
+        sd[f"{_MASTER_PREFIX}{idx}"] = master.detach()
     if optimizer.rank == 0:
         tmp.mkdir(parents=True, exist_ok=False)
     dist.barrier(group=group)
@@ -150,14 +160,25 @@ def _request(metadata: Any, wanted: set[int] | None) -> dict[str, Any]:
 
 def _assemble(loaded: dict[str, Any]) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
     for key, value in loaded.items():
         parsed = _parse(key)
-        if parsed is not None:
+        if parsed is None:
+            continue
+        if parsed[1]:
             state.setdefault(parsed[0], {})[parsed[1]] = value
+        else:
+            masters[parsed[0]] = value
     header = pickle.loads(loaded["shardkit_optim"])
     if not isinstance(header, dict) or header.get("format") != _FORMAT:
         raise ValueError(f"unsupported checkpoint format {header!r}; expected {_FORMAT}")
-    return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(loaded["param_groups"])}
+    out = {
+        "state": dict(sorted(state.items())),
+        "param_groups": pickle.loads(loaded["param_groups"]),
+    }
+    if masters:
+        out[MASTER_KEY] = dict(sorted(masters.items()))
+    return out
 
 
 def load_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:

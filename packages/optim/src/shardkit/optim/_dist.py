@@ -52,6 +52,15 @@ def _comm_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _reduces_on(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group``'s backend runs collectives on tensors of ``device`` directly.
+
+    Gloo takes CPU and CUDA tensors (staging CUDA ones through host memory); NCCL only CUDA.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    return device.type == "cuda" if "nccl" in backend else device.type in ("cpu", "cuda")
+
+
 def _agree(value: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
     """All-gathers a small picklable ``value`` and raises on every rank if the ranks disagree.
 

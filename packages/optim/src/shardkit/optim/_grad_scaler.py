@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from shardkit.optim._dist import _comm_device, _resolve_group
@@ -20,6 +22,10 @@ __all__ = ["ShardedGradScaler"]
 
 class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for a :class:`ShardedOptimizer` (or any data-parallel setup).
+
+    With a ShardedOptimizer that keeps master weights (``master_dtype``), the fp16 model's
+    gradients are only checked for inf/nan; ``1/scale`` is applied to the fp32 master
+    gradients at the step, so small gradients do not underflow in fp16.
 
     Args:
         device: ``"cuda"`` or ``"cpu"`` (CPU autocast with fp16/bf16).
@@ -48,6 +54,35 @@ class ShardedGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self.group = _resolve_group(group)
+
+    def _unscale_grads_(
+        self,
+        optimizer: Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's per-optimizer unscale step (called by ``unscale_``), overridden so that a
+        ShardedOptimizer with master weights unscales its fp32 gradients instead of the
+        model's fp16 ones (see [Note: Master weights]; this override of a torch internal is
+        listed and pinned in ``_torch_compat``)."""
+        unscale = getattr(optimizer, "_unscale_for_scaler", None)
+        found: dict[torch.device, torch.Tensor] | None = (
+            unscale(inv_scale) if unscale is not None else None
+        )
+        if found is None:
+            found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        return found
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """``GradScaler.step``; a skipped step also drops the ``1/scale`` queued for master
+        weights, so it cannot apply to the next step's gradients (whoever zeroes them)."""
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            drop = getattr(optimizer, "_drop_grad_factors", None)
+            if drop is not None:
+                drop()
 
     def unscale_(self, optimizer: Optimizer) -> None:
         """Unscales this rank's gradients and agrees on found-inf with every rank. Collective."""

@@ -20,11 +20,10 @@ attached).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,13 +33,19 @@ from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._cow import _CopyOnWrite
 from shardkit.optim._dist import _agree, _resolve_group
 from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed, _Layout
+from shardkit.optim._master import (
+    _WIRE_KEY,
+    _Masters,
+    check_master_dtype,
+    join_wire,
+    needs_master,
+)
 from shardkit.optim._state import (
     _hyperparams,
     _local_groups,
-    _local_load_dict,
     _owned_state,
-    _validate_plain_state_dict,
 )
+from shardkit.optim._state_dict import _StateDictMixin
 from shardkit.optim._sync import _ParamSync
 from shardkit.partition import check_consistent
 from torch.optim import Optimizer
@@ -48,7 +53,7 @@ from torch.optim import Optimizer
 __all__ = ["OSS", "ShardedOptimizer"]
 
 
-class ShardedOptimizer(Optimizer):
+class ShardedOptimizer(_StateDictMixin, Optimizer):
     """Shards the state of any ``torch.optim.Optimizer`` over the ranks of a process group (ZeRO-1).
 
     Each rank keeps the optimizer state of only the params it owns and runs the wrapped
@@ -68,12 +73,22 @@ class ShardedOptimizer(Optimizer):
             Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta) over slices of this many bytes of
             each param, so every pass of the update works in cache: same result bit for bit,
             checked by a probe (see ``shardkit.optim._blocked``). ``None`` steps whole params.
+        master_dtype: keep a master copy in this dtype (``torch.float32``) of every owned
+            bf16/fp16 param and step it instead of the param, with optimizer state in that
+            dtype too (see [Note: Master weights] in ``shardkit.optim._master``). Params
+            already in this dtype are stepped as they are (no copy). ``None``: no masters.
+        master_grad_bucket_bytes: with masters, the owned grads are upcast and stepped in
+            chunks of at most this many bytes of ``master_dtype`` gradients (the extra memory
+            of a step); the wrapped optimizer's ``step`` then runs once per chunk, which every
+            torch optimizer with per-param state allows. ``None``: one chunk (one ``step``
+            call, e.g. for an optimizer that needs all its params at once).
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
         TypeError: ``optim`` is not an Optimizer subclass, or ``group`` is not a ProcessGroup.
         ValueError: ranks disagree on the params (fingerprint check), this process is not in
-            ``group``, or an unknown partition algorithm.
+            ``group``, an unknown partition algorithm, ``master_dtype`` with
+            ``broadcast_fp16``, or a bad ``master_grad_bucket_bytes``.
     """
 
     def __init__(
@@ -85,6 +100,8 @@ class ShardedOptimizer(Optimizer):
         *,
         partition_algorithm: str = "sorted_greedy",
         step_block_bytes: int | None = 1 << 20,
+        master_dtype: torch.dtype | None = None,
+        master_grad_bucket_bytes: int | None = 32 << 20,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -97,6 +114,19 @@ class ShardedOptimizer(Optimizer):
             raise TypeError("optim cannot itself be a ShardedOptimizer: pass the inner class")
         if not isinstance(broadcast_fp16, bool):
             raise TypeError(f"broadcast_fp16 must be a bool, got {broadcast_fp16!r}")
+        self.master_dtype = check_master_dtype(master_dtype, broadcast_fp16)
+        if master_grad_bucket_bytes is not None and (
+            isinstance(master_grad_bucket_bytes, bool)
+            or not isinstance(master_grad_bucket_bytes, int)
+            or master_grad_bucket_bytes <= 0
+        ):
+            raise ValueError(
+                f"master_grad_bucket_bytes must be a positive int (bytes of fp32 gradients "
+                f"upcast at a time) or None (all at once), got "
+                f"{type(master_grad_bucket_bytes).__name__}: {master_grad_bucket_bytes!r}"
+            )
+        self._master_grad_bucket_bytes = master_grad_bucket_bytes
+        self._masters: _Masters | None = None
         self.group: dist.ProcessGroup = _resolve_group(group)
         self.rank: int = dist.get_rank(self.group)
         if self.rank < 0:
@@ -139,12 +169,13 @@ class ShardedOptimizer(Optimizer):
             (
                 self._algorithm,
                 self.broadcast_fp16,
+                str(self.master_dtype),
                 self._optim_cls.__name__,
                 [len(g["params"]) for g in self.param_groups],
                 hashlib.sha1(mask).hexdigest(),
             ),
             self.group,
-            "(partition_algorithm, broadcast_fp16, optim class, param group sizes, "
+            "(partition_algorithm, broadcast_fp16, master_dtype, optim class, param group sizes, "
             "requires_grad mask hash)",
         )
         check_consistent(params, group=self.group)
@@ -152,11 +183,10 @@ class ShardedOptimizer(Optimizer):
         old_owned: dict[int, dict[str, Any]] = {}
         if migrate:
             old = self._layout
-            full = _consolidate(
-                _owned_state(self.optim.state, old, self.rank), self.group, self.rank, -1, set()
-            )
+            owned = self._owned_entries()
+            full = _consolidate(owned, self.group, self.rank, -1, set())
             moved = {id(old.params[i]): st for i, st in (full or {}).items()}
-            old_owned = {id(p): dict(st) for p, st in self.optim.state.items() if st}
+            old_owned = {id(old.params[i]): dict(st) for i, st in owned.items()}
             self._sync.release(keep=())
         imposed = None
         if self._imposed is not None:
@@ -168,7 +198,20 @@ class ShardedOptimizer(Optimizer):
         layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
         local = _local_groups(layout, self.rank, len(self.param_groups))
         self._local_slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
-        groups = [{**_hyperparams(g), "params": ps} for g, ps in zip(self.param_groups, local, strict=True)]
+        if self.master_dtype is not None:  # See [Note: Master weights].
+            masters = _Masters(self.master_dtype, self._master_grad_bucket_bytes)
+            for ps in local:
+                for p in ps:
+                    if needs_master(p, self.master_dtype):
+                        src = old_owned.get(id(p)) or moved.get(id(p)) or {}
+                        value = src.get(_WIRE_KEY)
+                        masters.add(p, value if isinstance(value, torch.Tensor) else None)
+            self._masters = masters
+        opt_local = [[self._opt_tensor(p) for p in ps] for ps in local]
+        groups = [
+            {**_hyperparams(g), "params": ps}
+            for g, ps in zip(self.param_groups, opt_local, strict=True)
+        ]
         self.optim = self._optim_cls(groups, **self._optim_defaults)
         if self._blocked is not None:
             self._blocked.clear()
@@ -178,7 +221,11 @@ class ShardedOptimizer(Optimizer):
             j = 0
             for ps in local:
                 for p in ps:
-                    st = old_owned.get(id(p)) or moved.get(id(p))
+                    st = {
+                        k: v
+                        for k, v in (old_owned.get(id(p)) or moved.get(id(p)) or {}).items()
+                        if k != _WIRE_KEY
+                    }
                     if st:
                         entries[j] = st
                     j += 1
@@ -190,6 +237,22 @@ class ShardedOptimizer(Optimizer):
         self.state = self.optim.state
         self._sync = _ParamSync(layout, self.group, self.rank, self.broadcast_fp16)
         self._state_version += 1
+
+    def _opt_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the wrapped optimizer steps for ``p`` (its master, or ``p``)."""
+        return p if self._masters is None else self._masters.opt_tensor(p)
+
+    def _owned_entries(self) -> dict[int, dict[str, Any]]:
+        """This rank's live state by global index, masters riding along (for transport)."""
+        local = _owned_state(self.optim.state, self._layout, self.rank, self._opt_tensor)
+        if self._masters is None:
+            return local
+        masters: dict[int, torch.Tensor] = {}
+        for i in self._layout.owned(self.rank):
+            m = self._masters.get(self._layout.params[i])
+            if m is not None:
+                masters[i] = m
+        return join_wire(local, masters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group; after construction this repartitions (collective)."""
@@ -304,35 +367,78 @@ class ShardedOptimizer(Optimizer):
         """Steps this rank's shard only (optionally only ``params``). No communication.
 
         With ``params``, costs O(len(params)) besides the step itself: the local groups are
-        narrowed to the owned ones among ``params`` for the call, then restored.
+        narrowed to the owned ones among ``params`` for the call, then restored. With master
+        weights the step runs chunk by chunk (see [Note: Master weights]).
         """
         self._resolve_cow()
         self._push_hyperparams()
+        try:
+            if self._masters is None:
+                loss = self._step_narrowed(params, closure, **kwargs)
+            else:
+                loss = self._step_masters(params, closure, **kwargs)
+        finally:
+            if self._masters is not None:
+                self._masters.factors.clear()
+        self._pull_hyperparams()
+        self._state_version += 1
+        return loss
+
+    def _step_narrowed(
+        self,
+        params: Iterable[torch.Tensor] | None,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One ``step`` of the wrapped optimizer, its groups narrowed to ``params`` if given."""
         saved: list[list[torch.Tensor]] | None = None
         if params is not None:
             subsets: list[list[torch.Tensor]] = [[] for _ in self.optim.param_groups]
             for p in params:
                 gi = self._local_slot.get(id(p))
                 if gi is not None:
-                    subsets[gi].append(p)
+                    subsets[gi].append(self._opt_tensor(p))
             saved = [g["params"] for g in self.optim.param_groups]
             for g, sub in zip(self.optim.param_groups, subsets, strict=True):
                 g["params"] = sub
         try:
             if closure is not None or kwargs:
-                loss = self.optim.step(closure, **kwargs)
-            elif self._blocked is not None and self._blocked.step(
+                return self.optim.step(closure, **kwargs)
+            if self._blocked is not None and self._blocked.step(
                 self.optim, [g["params"] for g in self.optim.param_groups]
             ):
-                loss = None  # see [Note: Cache-blocked step]
-            else:
-                loss = self.optim.step()
+                return None  # see [Note: Cache-blocked step]
+            return self.optim.step()
         finally:
             if saved is not None:
                 for g, ps in zip(self.optim.param_groups, saved, strict=True):
                     g["params"] = ps
-        self._pull_hyperparams()
-        self._state_version += 1
+
+    def _step_masters(
+        self,
+        params: Iterable[torch.Tensor] | None,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The local step with master weights, chunk by chunk. See [Note: Master weights]."""
+        masters = self._masters
+        assert masters is not None  # only called with masters
+        loss = None
+        if closure is not None:  # evaluated once, before any chunk steps
+            with torch.enable_grad():
+                loss = closure()
+        wanted = None if params is None else {id(p) for p in params}
+        owned = [
+            p
+            for ps in _local_groups(self._layout, self.rank, len(self.param_groups))
+            for p in ps
+            if wanted is None or id(p) in wanted
+        ]
+        for chunk in masters.chunks(owned):
+            flats = masters.load_grads(chunk)
+            self._step_narrowed(chunk.params, None, **kwargs)
+            masters.write_back(chunk)
+            del flats
         return loss
 
     def _sync_params(
@@ -341,9 +447,7 @@ class ShardedOptimizer(Optimizer):
         """Broadcasts owners' values of ``params`` (all if ``None``). Collective."""
         return self._sync.sync(params, async_op=async_op)
 
-    def step(
-        self, closure: Callable[[], Any] | None = None, **kwargs: Any
-    ) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Steps this rank's shard, then syncs every param from its owner. Collective.
 
         When a comm hook steps this optimizer (shardkit-overlap), this is the training loop's
@@ -406,9 +510,46 @@ class ShardedOptimizer(Optimizer):
             )
         self._skip_next_step = False
 
+    def _unscale_for_scaler(
+        self, inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """``ShardedGradScaler``'s unscale with master weights (``None`` without masters).
+
+        Checks every local grad for inf/nan (per device, as torch's GradScaler reports it),
+        unscales in place only the grads of params that have no master on any rank (already
+        in ``master_dtype``), and queues ``inv_scale`` for the masters' fp32 grads. See
+        [Note: Master weights].
+        """
+        masters = self._masters
+        if masters is None:
+            return None
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for p in self._layout.params:
+                g = p.grad
+                if g is None:
+                    continue
+                flag = found.setdefault(
+                    g.device, torch.zeros((), dtype=torch.float32, device=g.device)
+                )
+                if not masters.covers(p):
+                    g.mul_(inv_scale.to(device=g.device, dtype=g.dtype))
+                flag.copy_(torch.maximum(flag, (~torch.isfinite(g).all()).to(flag.dtype)))
+        masters.add_factor(inv_scale)
+        return found
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients of every param (owned or not) on this rank."""
+        """Clears the gradients of every param (owned or not) on this rank.
+
+        With master weights this also drops pending unscale/clip factors (new gradients).
+        """
         super().zero_grad(set_to_none=set_to_none)
+        self._drop_grad_factors()
+
+    def _drop_grad_factors(self) -> None:
+        """Forgets pending unscale/clip factors (see [Note: Master weights])."""
+        if self._masters is not None:
+            self._masters.factors.clear()
 
     def clip_grad_norm(
         self,
@@ -435,146 +576,13 @@ class ShardedOptimizer(Optimizer):
             params = list(filter_params_fn(params))
         owned = {id(p) for p in self.owned_params}
         return _clip_grad_norm(
-            [p for p in params if id(p) in owned], params, max_norm, norm_type, self.group
-        )
-
-    # ------------------------------------------------------------------ state
-    def _global_param_groups(self) -> list[dict[str, Any]]:
-        groups = []
-        start = 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            groups.append({**copy.deepcopy(_hyperparams(g)), "params": list(range(start, start + n))})
-            start += n
-        return groups
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}`` (live)."""
-        return {
-            "state": _owned_state(self.optim.state, self._layout, self.rank),
-            "param_groups": self._global_param_groups(),
-        }
-
-    def consolidate_state_dict(
-        self,
-        recipient_rank: int = 0,
-        skip: Callable[[torch.Tensor], bool] | None = None,
-    ) -> None:
-        """Gathers the full state on ``recipient_rank`` (-1: every rank). Collective.
-
-        See [Note: Tensor consolidation] for what moves where.
-
-        Args:
-            recipient_rank: rank in the optimizer's group, or -1 for all ranks.
-            skip: params for which ``skip(param)`` is true keep their state on their owner; the
-                consolidated dict has their entries with ``meta`` tensors of the right shapes
-                (save those with :meth:`local_state_dict` on each owner instead).
-        """
-        # Bad arguments raise on every rank: the error rides on the metadata exchange, which
-        # every rank reaches, so a rank with valid arguments never waits for a crashed one.
-        error: Exception | None = None
-        if (
-            isinstance(recipient_rank, bool)
-            or not isinstance(recipient_rank, int)
-            or not -1 <= recipient_rank < self.world_size
-        ):
-            error = ValueError(
-                f"recipient_rank must be an int in [-1, {self.world_size}) (a rank of the "
-                f"optimizer's group of size {self.world_size}, or -1 for every rank), got "
-                f"{type(recipient_rank).__name__}: {recipient_rank!r}"
-            )
-        elif not (skip is None or callable(cast(object, skip))):
-            error = TypeError(
-                f"skip must be a callable taking a param and returning True for the params whose "
-                f"state is not gathered (e.g. lambda p: p in expert_params), or None; got "
-                f"{type(skip).__name__}: {skip!r}"
-            )
-        skipped = set()
-        if skip is not None and error is None:
-            try:
-                skipped = {
-                    i for i in self._layout.owned(self.rank) if skip(self._layout.params[i])
-                }
-            except Exception as e:  # raised on every rank below, not only here
-                error = e
-        # Drop the previous consolidated copy first, so the peak is one copy, not two.
-        self._consolidated = None
-        local = _owned_state(self.optim.state, self._layout, self.rank)
-        alias = (
-            self._cow.record(local, skipped, self._layout.params)
-            if error is None and recipient_rank == self.rank
-            else None
-        )  # see [Note: Copy-on-write consolidation]
-        full = _consolidate(
-            local,
+            [p for p in params if id(p) in owned],
+            params,
+            max_norm,
+            norm_type,
             self.group,
-            self.rank,
-            recipient_rank if error is None else 0,
-            skipped,
-            error=error,
-            alias=alias,
+            self._masters,
         )
-        if full is None:
-            self._consolidated = None
-        else:
-            self._consolidated = (
-                self._state_version,
-                {"state": full, "param_groups": self._global_param_groups()},
-            )
-
-    def _resolve_cow(self) -> None:
-        """Before modifying the state. See [Note: Copy-on-write consolidation]."""
-        if self._cow.pending:
-            self._consolidated = None  # about to go stale: drop our references to the aliases
-            self._cow.resolve(self.optim.state)
-
-    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """The consolidated state in plain torch format (loads into ``optim`` unsharded).
-
-        Args:
-            all_ranks: consolidate on every rank first (collective) and return it everywhere.
-
-        Raises:
-            RuntimeError: the state was not consolidated on this rank, or the optimizer
-                stepped/loaded since.
-        """
-        if all_ranks:
-            self.consolidate_state_dict(recipient_rank=-1)
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"rank {self.rank}: the optimizer state has not been consolidated on this rank. "
-                f"Call optimizer.consolidate_state_dict(recipient_rank={self.rank}) on every "
-                f"rank first (or state_dict(all_ranks=True) on every rank)."
-            )
-        version, sd = self._consolidated
-        if version != self._state_version:
-            raise RuntimeError(
-                "the optimizer stepped or loaded state since consolidate_state_dict(): the "
-                "consolidated state is stale. Call consolidate_state_dict() again on every rank."
-            )
-        return {
-            "state": {i: dict(st) for i, st in sd["state"].items()},
-            "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a plain torch optimizer state dict (from any world size); keeps only this shard.
-
-        The caller's dict is not modified nor aliased. ``meta`` placeholder entries (params
-        skipped at consolidation) leave the current state of those params untouched.
-        """
-        _validate_plain_state_dict(state_dict, self.param_groups)
-        self._resolve_cow()
-        local = _local_load_dict(
-            state_dict, self._layout, self.rank, len(self.param_groups), self.optim.state
-        )
-        self.optim.load_state_dict(local)
-        if self._blocked is not None:
-            self._blocked.clear()
-        for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            wg.update(copy.deepcopy(_hyperparams(sg)))
-        self._push_hyperparams()
-        self._state_version += 1
 
 
 def _index_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

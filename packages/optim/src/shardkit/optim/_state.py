@@ -5,7 +5,7 @@ See [Note: Global parameter index].
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,12 +27,20 @@ def _local_groups(layout: _Layout, rank: int, n_groups: int) -> list[list[torch.
 
 
 def _owned_state(
-    optim_state: Mapping[torch.Tensor, Any], layout: _Layout, rank: int
+    optim_state: Mapping[torch.Tensor, Any],
+    layout: _Layout,
+    rank: int,
+    key: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Live (not copied) state of this rank's params, keyed by global index."""
+    """Live (not copied) state of this rank's params, keyed by global index.
+
+    ``key`` maps a param to the tensor the optimizer's state is keyed by (its master, see
+    [Note: Master weights]); the param itself when ``None``.
+    """
     out: dict[int, dict[str, Any]] = {}
     for i in layout.owned(rank):
-        st = optim_state.get(layout.params[i])
+        p = layout.params[i]
+        st = optim_state.get(p if key is None else key(p))
         if st:
             out[i] = dict(st)
     return out
@@ -95,7 +103,10 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
 
 
 def _local_load_dict(
-    state_dict: Mapping[str, Any], layout: _Layout, rank: int, n_groups: int,
+    state_dict: Mapping[str, Any],
+    layout: _Layout,
+    rank: int,
+    n_groups: int,
     current: Mapping[torch.Tensor, Any],
 ) -> dict[str, Any]:
     """The dict to feed the local optimizer's ``load_state_dict``.

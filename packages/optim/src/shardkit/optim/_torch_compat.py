@@ -8,6 +8,12 @@ Registered optimizer step hooks (below) and storage reference counts (``_storage
 whether any are registered. The cache-blocked step (see ``_blocked.py``) runs the optimizer class
 on slice views, which hooks would observe, so it steps aside when any hook exists.
 ``tests/test_blocked.py::test_step_hooks_are_detected`` pins this.
+
+One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
+inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
+and whose result becomes the optimizer's found-inf flags. ``ShardedGradScaler`` overrides it to
+unscale master-weight gradients in fp32 (see [Note: Master weights]);
+``tests/test_master.py::test_grad_scaler_unscale_hook_pin`` pins the call.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Example:
 from shardkit.testing.__about__ import __version__
 from shardkit.testing._config import DEFAULT_TIMEOUT_S, MAX_WORLD_SIZE, WorldSpec
 from shardkit.testing._decorator import free_port, world
+from shardkit.testing._devices import rank_cuda_device
 from shardkit.testing._world import WorldStartError, pool
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "__version__",
     "free_port",
     "pool",
+    "rank_cuda_device",
     "world",
 ]

@@ -1,0 +1,325 @@
+"""State dicts of a ShardedOptimizer: local shard, consolidation, loading, full-precision export.
+
+``_StateDictMixin`` holds the methods; ``ShardedOptimizer`` inherits them (see
+``_sharded_optimizer.py`` for the attributes they read).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from shardkit.optim._blocked import _BlockedStepper
+from shardkit.optim._consolidate import _consolidate
+from shardkit.optim._cow import _CopyOnWrite
+from shardkit.optim._layout import _Layout
+from shardkit.optim._master import (
+    _WIRE_KEY,
+    MASTER_KEY,
+    _Masters,
+    check_master_values,
+    split_wire,
+)
+from shardkit.optim._state import _hyperparams, _local_load_dict, _validate_plain_state_dict
+from torch import nn
+from torch.optim import Optimizer
+
+__all__: list[str] = []
+
+logger = logging.getLogger("shardkit.optim")
+_warned_ignored_masters = False
+
+
+class _StateDictMixin:
+    """State-dict methods of ``ShardedOptimizer``."""
+
+    # Provided by ShardedOptimizer.
+    optim: Optimizer
+    param_groups: list[dict[str, Any]]
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    master_dtype: torch.dtype | None
+    _layout: _Layout
+    _masters: _Masters | None
+    _cow: _CopyOnWrite
+    _blocked: _BlockedStepper | None
+    _consolidated: tuple[int, dict[str, Any]] | None
+    _state_version: int
+
+    def _opt_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _owned_entries(self) -> dict[int, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _push_hyperparams(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shard
+    def _global_param_groups(self) -> list[dict[str, Any]]:
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append(
+                {**copy.deepcopy(_hyperparams(g)), "params": list(range(start, start + n))}
+            )
+            start += n
+        return groups
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}`` (live).
+
+        With master weights, also ``"master_params": {global index: master}`` (live).
+        """
+        state, masters = split_wire(self._owned_entries())
+        out: dict[str, Any] = {"state": state, "param_groups": self._global_param_groups()}
+        if self._masters is not None:
+            out[MASTER_KEY] = masters
+        return out
+
+    # ------------------------------------------------------------------ consolidation
+    def consolidate_state_dict(
+        self,
+        recipient_rank: int = 0,
+        skip: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        """Gathers the full state on ``recipient_rank`` (-1: every rank). Collective.
+
+        See [Note: Tensor consolidation] for what moves where. With master weights the master
+        values are gathered too (``"master_params"`` in :meth:`state_dict`).
+
+        Args:
+            recipient_rank: rank in the optimizer's group, or -1 for all ranks.
+            skip: params for which ``skip(param)`` is true keep their state on their owner; the
+                consolidated dict has their entries with ``meta`` tensors of the right shapes
+                (save those with :meth:`local_state_dict` on each owner instead).
+        """
+        # Bad arguments raise on every rank: the error rides on the metadata exchange, which
+        # every rank reaches, so a rank with valid arguments never waits for a crashed one.
+        error: Exception | None = None
+        if (
+            isinstance(recipient_rank, bool)
+            or not isinstance(recipient_rank, int)
+            or not -1 <= recipient_rank < self.world_size
+        ):
+            error = ValueError(
+                f"recipient_rank must be an int in [-1, {self.world_size}) (a rank of the "
+                f"optimizer's group of size {self.world_size}, or -1 for every rank), got "
+                f"{type(recipient_rank).__name__}: {recipient_rank!r}"
+            )
+        elif not (skip is None or callable(cast(object, skip))):
+            error = TypeError(
+                f"skip must be a callable taking a param and returning True for the params whose "
+                f"state is not gathered (e.g. lambda p: p in expert_params), or None; got "
+                f"{type(skip).__name__}: {skip!r}"
+            )
+        skipped = set()
+        if skip is not None and error is None:
+            try:
+                skipped = {i for i in self._layout.owned(self.rank) if skip(self._layout.params[i])}
+            except Exception as e:  # raised on every rank below, not only here
+                error = e
+        # Drop the previous consolidated copy first, so the peak is one copy, not two.
+        self._consolidated = None
+        local = self._owned_entries()
+        alias = None
+        if error is None and recipient_rank == self.rank:
+            # See [Note: Copy-on-write consolidation]. Masters are never aliased: the next step
+            # writes them in place, and they are not optimizer state the resolve step could
+            # rebind.
+            state_only = {
+                i: {k: v for k, v in st.items() if k != _WIRE_KEY} for i, st in local.items()
+            }
+            keys = [self._opt_tensor(p) for p in self._layout.params]
+            alias = self._cow.record(state_only, skipped, keys)
+        full = _consolidate(
+            local,
+            self.group,
+            self.rank,
+            recipient_rank if error is None else 0,
+            skipped,
+            error=error,
+            alias=alias,
+        )
+        if full is None:
+            self._consolidated = None
+            return
+        state, masters = split_wire(full)
+        sd: dict[str, Any] = {"state": state, "param_groups": self._global_param_groups()}
+        if self._masters is not None:
+            sd[MASTER_KEY] = masters
+        self._consolidated = (self._state_version, sd)
+
+    def _resolve_cow(self) -> None:
+        """Before modifying the state. See [Note: Copy-on-write consolidation]."""
+        if self._cow.pending:
+            self._consolidated = None  # about to go stale: drop our references to the aliases
+            self._cow.resolve(self.optim.state)
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """The consolidated state in plain torch format (loads into ``optim`` unsharded).
+
+        With master weights the dict also has ``"master_params"``: {global index: master
+        value} (``master_dtype``, on the CPU), beside the plain ``"state"`` (the state of the
+        masters) and ``"param_groups"``; plain torch optimizers ignore the extra key.
+
+        Args:
+            all_ranks: consolidate on every rank first (collective) and return it everywhere.
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank, or the optimizer
+                stepped/loaded since.
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the optimizer state has not been consolidated on this rank. "
+                f"Call optimizer.consolidate_state_dict(recipient_rank={self.rank}) on every "
+                f"rank first (or state_dict(all_ranks=True) on every rank)."
+            )
+        version, sd = self._consolidated
+        if version != self._state_version:
+            raise RuntimeError(
+                "the optimizer stepped or loaded state since consolidate_state_dict(): the "
+                "consolidated state is stale. Call consolidate_state_dict() again on every rank."
+            )
+        out: dict[str, Any] = {
+            "state": {i: dict(st) for i, st in sd["state"].items()},
+            "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]],
+        }
+        if MASTER_KEY in sd:
+            out[MASTER_KEY] = dict(sd[MASTER_KEY])
+        return out
+
+    # ------------------------------------------------------------------ loading
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a plain torch optimizer state dict (from any world size); keeps only this shard.
+
+        The caller's dict is not modified nor aliased. ``meta`` placeholder entries (params
+        skipped at consolidation) leave the current state of those params untouched. With
+        master weights, each owned master is set from ``"master_params"`` exactly when the dict
+        has it, else from the live param (load the model's weights first).
+        """
+        global _warned_ignored_masters
+        _validate_plain_state_dict(state_dict, self.param_groups)
+        params = [p for g in self.param_groups for p in g["params"]]
+        masters_in: dict[int, torch.Tensor] = {}
+        if MASTER_KEY in state_dict:
+            masters_in = check_master_values(state_dict[MASTER_KEY], params)
+            if self._masters is None and masters_in and not _warned_ignored_masters:
+                _warned_ignored_masters = True
+                logger.warning(
+                    "load_state_dict: the state dict carries %d master weights "
+                    "('master_params') but this optimizer has master_dtype=None; they are "
+                    "ignored (build the optimizer with master_dtype=torch.float32 to keep them)",
+                    len(masters_in),
+                )
+        self._resolve_cow()
+        current = {
+            p: st
+            for p in (self._layout.params[i] for i in self._layout.owned(self.rank))
+            if (st := self.optim.state.get(self._opt_tensor(p)))
+        }
+        local = _local_load_dict(
+            state_dict, self._layout, self.rank, len(self.param_groups), current
+        )
+        self.optim.load_state_dict(local)
+        if self._masters is not None:
+            with torch.no_grad():
+                for i in self._layout.owned(self.rank):
+                    p = self._layout.params[i]
+                    m = self._masters.get(p)
+                    value = masters_in.get(i)
+                    if m is None or (value is not None and value.is_meta):
+                        continue  # no master, or skipped at consolidation: keep it
+                    m.copy_(p if value is None else value)
+        if self._blocked is not None:
+            self._blocked.clear()
+        for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            wg.update(copy.deepcopy(_hyperparams(sg)))
+        self._push_hyperparams()
+        self._state_version += 1
+
+    # ------------------------------------------------------------------ model weights
+    def master_model_state_dict(
+        self, model: nn.Module, recipient_rank: int = 0
+    ) -> dict[str, torch.Tensor] | None:
+        """The model's state dict at full precision, for export. Collective.
+
+        Every param with a master is replaced by its master value, gathered from its owner;
+        every other floating tensor is upcast to ``master_dtype`` (exact); the rest is copied.
+        Tensors are on the CPU.
+
+        Args:
+            model: the model whose params this optimizer steps (names come from it).
+            recipient_rank: rank of the optimizer's group that gets the dict, -1 for every rank.
+
+        Returns:
+            The state dict on the recipient(s), ``None`` elsewhere.
+
+        Raises:
+            RuntimeError: the optimizer has no master weights (``master_dtype=None``).
+        """
+        masters = self._require_masters("master_model_state_dict")
+        index = {id(p): i for i, p in enumerate(self._layout.params)}
+        local: dict[int, dict[str, Any]] = {}
+        for i in self._layout.owned(self.rank):
+            m = masters.get(self._layout.params[i])
+            if m is not None:
+                local[i] = {"master": m}
+        full = _consolidate(local, self.group, self.rank, recipient_rank, set())
+        if full is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for key, value in model.state_dict(keep_vars=True).items():
+            gi = index.get(id(value))
+            if gi is not None and gi in full:
+                out[key] = full[gi]["master"]
+            elif value.is_floating_point():
+                out[key] = value.detach().to("cpu", masters.dtype, copy=True)
+            else:
+                out[key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_master_model_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Loads full-precision weights into the model (cast to its dtypes) and the masters.
+
+        Every rank passes the whole dict (e.g. from :meth:`master_model_state_dict` or an fp32
+        checkpoint): the model's params get the values rounded to their dtype, and the masters
+        this rank owns get them exactly. Not a collective.
+
+        Args:
+            model: the model whose params this optimizer steps.
+            state_dict: the full-precision model state dict.
+            strict: as for ``nn.Module.load_state_dict``.
+
+        Raises:
+            RuntimeError: the optimizer has no master weights, or ``strict`` and keys differ.
+        """
+        masters = self._require_masters("load_master_model_state_dict")
+        model.load_state_dict(state_dict, strict=strict)
+        values = dict(state_dict)
+        with torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                m = masters.get(p)
+                if m is not None and name in values:
+                    m.copy_(values[name])
+        self._state_version += 1
+
+    def _require_masters(self, what: str) -> _Masters:
+        if self._masters is None:
+            raise RuntimeError(
+                f"{what}() needs master weights, and this ShardedOptimizer has "
+                f"master_dtype=None; build it with master_dtype=torch.float32 (use the model's "
+                f"own state_dict() otherwise)"
+            )
+        return self._masters

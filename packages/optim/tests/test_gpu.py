@@ -1,0 +1,149 @@
+"""CUDA tensors: NCCL at any world size the GPUs allow, and Gloo ranks sharing one GPU.
+
+Skipped with the reason where no GPU is visible (NCCL at world 2 also needs two GPUs). Every
+variant runs the same body: Adam steps under ShardedGradScaler against plain Adam on the same
+full batch, consolidation onto the last rank (point-to-point traffic, staged through host
+memory over Gloo), clipping, and a DCP save/load round trip of CUDA state.
+
+Tolerance: ``assert_close`` defaults (fp32: rtol 1.3e-6, atol 1e-5). Scaling by a power of two
+is exact, but the sharded run steps each rank's params with the foreach kernels over its own
+subset while the reference steps all of them at once, and CUDA kernels may group differently.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedGradScaler, ShardedOptimizer, load_sharded, save_sharded
+from shardkit.testing import rank_cuda_device, world
+from torch import nn
+
+
+def _body(tmp: Path) -> None:
+    device = rank_cuda_device()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    model = copy.deepcopy(ref_model)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    scaler = ShardedGradScaler("cuda", group=opt.group)
+    for s in range(3):
+        g = torch.Generator(device=device).manual_seed(s)
+        x = torch.randn(6, 4, device=device, generator=g)  # the same full batch on every rank
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            if o is opt:
+                scaler.scale(m(x).square().mean()).backward()
+                scaler.step(o)
+                scaler.update()
+            else:
+                m(x).square().mean().backward()
+                o.step()
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert b.device == device
+        torch.testing.assert_close(a, b)
+    recipient = size - 1
+    opt.consolidate_state_dict(recipient_rank=recipient)
+    if rank == recipient:
+        sd = opt.state_dict()
+        for i, st in ref.state_dict()["state"].items():
+            assert sd["state"][i]["exp_avg"].device.type == "cpu"
+            torch.testing.assert_close(sd["state"][i]["exp_avg"], st["exp_avg"].cpu())
+            torch.testing.assert_close(sd["state"][i]["exp_avg_sq"], st["exp_avg_sq"].cpu())
+    norm = opt.clip_grad_norm(1.0)
+    assert norm.device == device
+    # DCP round trip of CUDA state into a fresh optimizer over the same params
+    save_sharded(opt, tmp / "ckpt")
+    fresh = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    load_sharded(fresh, tmp / "ckpt")
+    for p in fresh.owned_params:
+        for key, value in opt.optim.state[p].items():
+            got = fresh.optim.state[p][key]
+            if isinstance(value, torch.Tensor):
+                assert got.device == value.device, key
+                assert torch.equal(got, value), key
+            else:
+                assert got == value, key
+
+
+@pytest.mark.nccl
+@world(2, backend="nccl")
+def test_nccl_world2(tmp_path: Path) -> None:
+    _body(tmp_path)
+
+
+@pytest.mark.nccl
+@world(1, backend="nccl")
+def test_nccl_world1(tmp_path: Path) -> None:
+    _body(tmp_path)
+
+
+@pytest.mark.cuda
+@world(2)
+def test_gloo_ranks_sharing_a_gpu(tmp_path: Path) -> None:
+    _body(tmp_path)
+
+
+@pytest.mark.cuda
+@world(3)
+def test_gloo_three_ranks_sharing_a_gpu(tmp_path: Path) -> None:
+    _body(tmp_path)
+
+
+def _master_body(tmp_path: Path) -> None:
+    """bf16 CUDA model with fp32 masters against the plain optimizer on fp32 copies; the model
+    params are always the masters rounded; a DCP round trip restores the masters exactly."""
+    device = rank_cuda_device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)).to(device, torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    masters = [p.detach().float().clone() for p in ref_model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2)
+    kw = {"lr": 1e-2, "master_dtype": torch.float32, "master_grad_bucket_bytes": 512}
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    scaler = ShardedGradScaler("cuda", init_scale=2.0**8, group=opt.group)
+    for s in range(3):
+        g = torch.Generator(device=device).manual_seed(s)
+        x = torch.randn(16, 8, device=device, generator=g).bfloat16()
+        for m in (ref_model, model):
+            m.zero_grad()
+        ref_model(x).float().square().mean().backward()
+        scaler.scale(model(x).float().square().mean()).backward()
+        for p, mm in zip(ref_model.parameters(), masters, strict=True):
+            assert p.grad is not None
+            mm.grad = p.grad.float()
+        ref.step()
+        with torch.no_grad():
+            for p, mm in zip(ref_model.parameters(), masters, strict=True):
+                p.copy_(mm)
+        scaler.step(opt)
+        scaler.update()
+    full = opt.master_model_state_dict(model, recipient_rank=-1)
+    assert full is not None
+    for (name, p), mm in zip(model.named_parameters(), masters, strict=True):
+        torch.testing.assert_close(full[name], mm.cpu())
+        assert torch.equal(p, full[name].to(device, torch.bfloat16)), name
+    save_sharded(opt, tmp_path / "masters")
+    fresh = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    load_sharded(fresh, tmp_path / "masters")
+    again = fresh.master_model_state_dict(model, recipient_rank=-1)
+    assert again is not None
+    for name, value in full.items():
+        assert torch.equal(again[name], value), name
+
+
+@pytest.mark.nccl
+@world(1, backend="nccl")
+def test_master_weights_nccl_world1(tmp_path: Path) -> None:
+    _master_body(tmp_path)
+
+
+@pytest.mark.cuda
+@world(2)
+def test_master_weights_gloo_ranks_sharing_a_gpu(tmp_path: Path) -> None:
+    _master_body(tmp_path)
