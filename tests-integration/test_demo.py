@@ -117,6 +117,6 @@ def test_demo_short_mode(tmp_path: Path) -> None:
     assert len(colours) >= 3, f"loss.png ({width}x{height}) has {len(colours)} colour(s): no curve"
 
     ckpt = out / "checkpoint"
-    assert (ckpt / "SHARDKIT_COMMIT").is_file(), f"no committed checkpoint at {ckpt}\n{log}"
+    assert (ckpt / "LATEST").is_file(), f"no committed checkpoint at {ckpt}\n{log}"
     state = load_consolidated(ckpt)
     assert state["state"] and state["param_groups"], "the checkpoint holds no optimizer state"

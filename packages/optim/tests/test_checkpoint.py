@@ -48,8 +48,11 @@ def _save(root: Path, name: str) -> None:
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), root / f"{name}.model.pt")
     dist.barrier()
-    files = os.listdir(root / name)
-    assert "SHARDKIT_COMMIT" in files and ".metadata" in files
+    # one committed version behind the pointer, nothing left of the staging
+    files = sorted(os.listdir(root / name))
+    assert files[0] == "LATEST" and len(files) == 2, files
+    version = root / name / (root / name / "LATEST").read_text().strip()
+    assert {"SHARDKIT_COMMIT", ".metadata"} <= set(os.listdir(version))
     assert not [f for f in os.listdir(root) if ".tmp-" in f]
 
 
@@ -93,29 +96,32 @@ def test_load_4_to_2(ckpt_root: Path) -> None:
 
 
 @world(2)
-def test_interrupted_save_never_loads(ckpt_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardkit.optim._checkpoint as ck
+def test_failed_save_commits_nothing_and_leaves_nothing(
+    ckpt_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardkit.optim._commit import Staging
 
     model = _model()
     opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
     train(model, opt, 1, batch=6)
 
     def crash(*args: Any) -> None:
-        raise OSError("simulated crash before commit")
+        raise OSError("simulated failure before commit")
 
-    monkeypatch.setattr(ck, "_commit", crash)
+    monkeypatch.setattr(Staging, "commit", crash)
     target = ckpt_root / f"crash{dist.get_world_size()}"
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(RuntimeError, match="simulated failure"):
         save_sharded(opt, target)
     dist.barrier()
     assert not target.exists()
-    tmp = [ckpt_root / f for f in os.listdir(ckpt_root) if f.startswith(f".{target.name}.tmp-")]
-    assert len(tmp) == 1 and (tmp[0] / ".metadata").exists()  # DCP finished, commit did not
-    with pytest.raises(FileNotFoundError, match="SHARDKIT_COMMIT"):
-        load_sharded(opt, tmp[0])
+    assert not [f for f in os.listdir(ckpt_root) if ".tmp-" in f]  # the staging was removed
+    with pytest.raises(FileNotFoundError, match=r"not a committed shardkit\.optim checkpoint"):
+        load_sharded(opt, ckpt_root)
     # a failed save over an existing checkpoint leaves the old one loadable
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(RuntimeError, match="simulated failure"):
         save_sharded(opt, ckpt_root / "w2")
+    assert sorted(os.listdir(ckpt_root / "w2"))[0] == "LATEST"
+    assert len(os.listdir(ckpt_root / "w2")) == 2
     _resume_and_compare(ckpt_root, "w2")
 
 
@@ -152,4 +158,4 @@ def test_cli_consolidate(ckpt_root: Path, tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
-    assert bad.returncode == 2 and "SHARDKIT_COMMIT" in bad.stderr
+    assert bad.returncode == 2 and "not a committed shardkit.optim checkpoint" in bad.stderr

@@ -9,21 +9,15 @@ params it owns, so no rank ever holds more than its shard. ``param_groups`` (hyp
 the keys of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding is
 a change of which keys each rank asks for, nothing else.
 
-[Note: Crash-safe commit]
-A save goes to a hidden sibling directory ``.<name>.tmp-<uuid>``. Only after DCP has finished on
-every rank does the coordinator write the ``SHARDKIT_COMMIT`` marker into it and rename it to
-``<name>`` (an existing checkpoint there is first renamed aside, then deleted). Loading requires
-the marker, so an interrupted save leaves either the old checkpoint or a hidden temp directory
-that never loads, never a half-written ``<name>``.
+The commit and its crash safety: [Note: Atomic commit] in ``_commit.py``; checksums: [Note:
+Checkpoint checksums]; shape validation before loading: [Note: Load validation] below.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pickle
-import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -31,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from shardkit.optim import _commit
+from shardkit.optim._commit import Staging, checksum, read_header, resolve, verify_checksums
 from shardkit.optim._master import MASTER_KEY
 from shardkit.partition import all_gather_objects
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -43,7 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["load_consolidated", "load_sharded", "save_sharded"]
 
-_MARKER = "SHARDKIT_COMMIT"
 _FORMAT = "shardkit.optim.sharded/1"
 
 
@@ -79,70 +74,133 @@ def _require_numpy(what: str) -> None:
 def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
     """Saves the optimizer state as a DCP checkpoint, each rank writing its shard. Collective.
 
+    The new checkpoint replaces the one at ``path`` atomically (see [Note: Atomic commit]):
+    a crash at any point leaves the old or the new checkpoint loadable there.
+
     Args:
         optimizer: the sharded optimizer (every rank of its group calls this).
-        path: the checkpoint directory (replaced atomically if it exists). All ranks must see
-            the same filesystem path.
+        path: the checkpoint directory. All ranks must see the same filesystem path.
+
+    Raises:
+        RuntimeError: the save failed on some rank, or the files of some rank are not visible
+            where the checkpoint is committed (raised on every rank; nothing is committed and
+            the staging directory is removed).
     """
     _require_numpy("save_sharded")
     final = Path(path)
     group = optimizer.group
-    # Rank 0's token names the temp dir on every rank. See [Note: Object collectives without NumPy].
-    token = str(all_gather_objects(uuid.uuid4().hex, group)[0])
-    tmp = final.parent / f".{final.name}.tmp-{token}"
+    coordinator = optimizer.rank == 0
+    # Rank 0 names the save and decides where it stages; every rank writes there.
+    # See [Note: Object collectives without NumPy].
+    staging: Staging | None = Staging(final, uuid.uuid4().hex) if coordinator else None
+    plan = all_gather_objects(
+        None if staging is None else (staging.token, str(staging.stage)), group
+    )[0]
+    token, stage = str(plan[0]), Path(plan[1])
     local = optimizer.local_state_dict()
-    header = {
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    header: dict[str, Any] = {
         "format": _FORMAT,
-        "num_params": sum(len(g["params"]) for g in local["param_groups"]),
+        "num_params": len(params),
+        "param_shapes": [list(p.shape) for p in params],
         "world_size": optimizer.world_size,
+        "token": token,
     }
     # Opaque bytes: DCP would otherwise flatten the nested groups into one key per value.
     sd: dict[str, Any] = {
         "param_groups": pickle.dumps(local["param_groups"]),
-        "shardkit_optim": pickle.dumps(header),
+        "shardkit_optim": pickle.dumps({k: v for k, v in header.items() if k != "param_shapes"}),
     }
     for idx, entry in local["state"].items():
         for name, value in entry.items():
             sd[_key(idx, name)] = value.detach() if isinstance(value, torch.Tensor) else value
     for idx, master in local.get(MASTER_KEY, {}).items():
         sd[f"{_MASTER_PREFIX}{idx}"] = master.detach()
-    if optimizer.rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    dist.barrier(group=group)
-    _dcp_save(sd, checkpoint_id=str(tmp), process_group=group)
-    dist.barrier(group=group)
-    # See [Note: Crash-safe commit].
     error: str | None = None
-    if optimizer.rank == 0:
+    if staging is not None:
         try:
-            _commit(tmp, final, header, token)
+            staging.prepare()
         except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    error = all_gather_objects(error, group)[0]
-    if error is not None:
-        raise RuntimeError(f"committing checkpoint {final} failed on rank 0: {error}")
+            error = f"preparing {staging.stage} failed: {type(e).__name__}: {e}"
+    _agreed_error(error, group, f"save_sharded({final})")
+    error = None
+    try:
+        _dcp_save(sd, checkpoint_id=str(stage), process_group=group)
+        _commit.crash_point("written")
+    except Exception as e:  # every rank must reach the agreement below
+        error = f"rank {optimizer.rank}: {type(e).__name__}: {e}"
+    # See [Note: Checkpoint checksums].
+    sums = {k: checksum(v) for k, v in sd.items() if isinstance(v, (torch.Tensor, bytes))}
+    gathered = all_gather_objects((error, sums), group)
+    errors = [str(e) for e, _ in gathered if e is not None]
+    if staging is not None:
+        if not errors:
+            header["checksums"] = {k: v for _, part in gathered for k, v in part.items()}
+            try:
+                staging.commit(header)
+            except OSError as e:
+                errors.append(f"committing on rank 0 failed: {type(e).__name__}: {e}")
+        if errors:
+            staging.abort()
+    _agreed_error(errors[0] if errors else None, group, f"save_sharded({final})")
 
 
-def _commit(tmp: Path, final: Path, header: dict[str, Any], token: str) -> None:
-    """Marks ``tmp`` complete and renames it to ``final``. See [Note: Crash-safe commit]."""
-    with open(tmp / _MARKER, "w") as f:
-        json.dump(header, f)
-        f.flush()
-        os.fsync(f.fileno())
-    trash = final.parent / f".{final.name}.old-{token}"
-    if final.exists():
-        os.replace(final, trash)
-    os.replace(tmp, final)
-    shutil.rmtree(trash, ignore_errors=True)
+def _agreed_error(error: str | None, group: dist.ProcessGroup, what: str) -> None:
+    """Raises the same error on every rank if any rank has one (a collective)."""
+    errors = [e for e in all_gather_objects(error, group) if e is not None]
+    if errors:
+        raise RuntimeError(f"{what} failed, nothing was committed: {errors[0]}")
 
 
-def _read_metadata(path: Path) -> Any:
-    if not (path / _MARKER).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete shardkit.optim checkpoint: it has no {_MARKER} marker "
-            f"(the save was interrupted, or this is not a checkpoint written by save_sharded)."
-        )
-    return FileSystemReader(str(path)).read_metadata()
+def _open(path: Path) -> tuple[Path, Any, dict[str, Any]]:
+    """(version directory, DCP metadata, marker header) of the committed checkpoint."""
+    version = resolve(path)
+    header = read_header(version)
+    return version, FileSystemReader(str(version)).read_metadata(), header
+
+
+# [Note: Load validation]
+# Every rank checks the whole checkpoint against its params before anything is read or any
+# state is touched, on information all ranks share (the marker's param shapes and DCP's
+# metadata), so a mismatch raises the same error on every rank instead of only on the owner
+# of the mismatching entry (whose peers would then wait in the next collective): the number of
+# params, every param's shape exactly (including the number of dims and size-1 dims), every
+# master's shape, and every state tensor with as many elements as its param must have its
+# shape exactly. A checkpoint from shardkit-optim 0.1 has no param shapes in its marker; its
+# state tensors are still checked against the current params.
+def _validate(metadata: Any, header: dict[str, Any], params: list[torch.Tensor]) -> None:
+    saved = header.get("param_shapes")
+    if saved is not None:
+        if len(saved) != len(params):
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} params but this optimizer has "
+                f"{len(params)}: it was saved for a different model or param group layout."
+            )
+        for i, (shape, p) in enumerate(zip(saved, params, strict=True)):
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(
+                    f"param {i} was saved with shape {tuple(shape)} but has shape "
+                    f"{tuple(p.shape)} now: the checkpoint was saved for a different model."
+                )
+    for key, md in metadata.state_dict_metadata.items():
+        parsed = _parse(key)
+        if parsed is None or not isinstance(md, TensorStorageMetadata):
+            continue
+        idx, name = parsed
+        if not 0 <= idx < len(params):
+            raise ValueError(
+                f"checkpoint item {key!r} is for param {idx}, but this optimizer has "
+                f"{len(params)} params: it was saved for a different model."
+            )
+        shape, want = tuple(md.size), tuple(params[idx].shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if (not name or numel == params[idx].numel()) and shape != want:
+            raise ValueError(
+                f"checkpoint item {key!r} has shape {shape} but param {idx} has shape {want}: "
+                f"the checkpoint was saved for a different model."
+            )
 
 
 def _request(metadata: Any, wanted: set[int] | None) -> dict[str, Any]:
@@ -184,30 +242,65 @@ def _assemble(loaded: dict[str, Any]) -> dict[str, Any]:
 def load_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
     """Loads a checkpoint written by :func:`save_sharded` at any world size. Collective.
 
-    Each rank reads only the state of the params it owns under the current partition.
+    Each rank reads only the state of the params it owns under the current partition, after
+    every rank checked the whole checkpoint against the params (see [Note: Load validation]);
+    every item read is checked against its saved checksum.
 
     Raises:
         FileNotFoundError: ``path`` is not a committed checkpoint.
-        ValueError: the checkpoint was saved for a different model or param group layout.
+        ValueError: the checkpoint was saved for a different model or param group layout, or
+            an item fails its checksum (on every rank, naming the item).
     """
     _require_numpy("load_sharded")
-    p = Path(path)
-    metadata = _read_metadata(p)
+    group = optimizer.group
+    error: str | None = None
+    try:
+        version, metadata, header = _open(Path(path))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        _validate(metadata, header, params)
+    except (FileNotFoundError, ValueError) as e:
+        error = f"{type(e).__name__}: {e}"
+    # Every rank decides the same way from shared files, but a rank that cannot see them (no
+    # shared filesystem) must not leave the others waiting in DCP's collectives.
+    errors = [e for e in all_gather_objects(error, group) if e is not None]
+    if errors:
+        kind, _, message = errors[0].partition(": ")
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
     req = _request(metadata, set(optimizer._layout.owned(optimizer.rank)))
-    _dcp_load(req, checkpoint_id=str(p), process_group=optimizer.group)
+    _dcp_load(req, checkpoint_id=str(version), process_group=group)
+    bad = verify_checksums(req, header.get("checksums", {}), lambda key: _where(metadata, key))
+    bad_all = [b for b in all_gather_objects(bad, group) if b is not None]
+    if bad_all:
+        raise ValueError(f"load_sharded({path}): {bad_all[0]}")
     optimizer.load_state_dict(_assemble(req))
+
+
+def _where(metadata: Any, key: str) -> str:
+    """The file holding ``key``'s data, for error messages."""
+    files = sorted(
+        {str(info.relative_path) for idx, info in (metadata.storage_data or {}).items()
+         if getattr(idx, "fqn", None) == key}
+    )  # fmt: skip
+    return f"file {', '.join(files)}" if files else "file unknown"
 
 
 def load_consolidated(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Reads a sharded checkpoint offline (one process, no process group) as one plain dict.
 
-    The result loads into the plain torch optimizer class that was sharded.
+    The result loads into the plain torch optimizer class that was sharded. Every item is
+    checked against its saved checksum.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a committed checkpoint.
+        ValueError: an item fails its checksum.
     """
-    p = Path(path)
-    metadata = _read_metadata(p)
+    version, metadata, header = _open(Path(path))
     req = _request(metadata, None)
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process, which is exactly the intent here.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        _dcp_load(req, checkpoint_id=str(p), no_dist=True)
+        _dcp_load(req, checkpoint_id=str(version), no_dist=True)
+    bad = verify_checksums(req, header.get("checksums", {}), lambda key: _where(metadata, key))
+    if bad is not None:
+        raise ValueError(f"load_consolidated({path}): {bad}")
     return _assemble(req)

@@ -93,13 +93,21 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
             )
         p = params[key]
         for name, value in dict(entry).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dim() == p.dim():
-                if any(a != b and a != 1 for a, b in zip(value.shape, p.shape, strict=True)):
-                    raise ValueError(
-                        f"state dict entry {key}[{name!r}] has shape {tuple(value.shape)} but "
-                        f"param {key} has shape {tuple(p.shape)}: it was saved for a different "
-                        f"model."
-                    )
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            # As many elements as the param: the same shape, exactly (see [Note: Load
+            # validation]); other state (factored statistics) may broadcast against it.
+            exact = value.numel() == p.numel()
+            if (exact and value.shape != p.shape) or (
+                not exact
+                and value.dim() == p.dim()
+                and any(a != b and a != 1 for a, b in zip(value.shape, p.shape, strict=True))
+            ):
+                raise ValueError(
+                    f"state dict entry {key}[{name!r}] has shape {tuple(value.shape)} but "
+                    f"param {key} has shape {tuple(p.shape)}: it was saved for a different "
+                    f"model."
+                )
 
 
 def _local_load_dict(
