@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._agreement import agree_clip
 from shardkit.optim._dist import _comm_device, _reduces_on
 from shardkit.optim._master import _Masters
 
@@ -47,9 +48,7 @@ def _clip_grad_norm(
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     wire = local if _reduces_on(group, device) else local.to(_comm_device(group))
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    dist.all_reduce(wire, op=op, group=group)
-    total = wire.to(device)
+    total = agree_clip(wire, max_norm, norm_type, group).to(device)  # [Note: Per-step agreement]
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
     clip_coef = max_norm / (total + 1e-6)

@@ -23,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._agreement import agree_step, check_param_order, hyperparam_digest
 from shardkit.optim._blocked import _BlockedStepper, _check_block_bytes
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
@@ -82,6 +84,9 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             of a step); the wrapped optimizer's ``step`` then runs once per chunk, which every
             torch optimizer with per-param state allows. ``None``: one chunk (one ``step``
             call, e.g. for an optimizer that needs all its params at once).
+        collective_timeout: seconds (or a ``timedelta``) to wait in the agreement collective
+            that starts every ``step()`` (see [Note: Per-step agreement]) before raising
+            that some rank did not take part; ``None``: the process group's timeout.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
@@ -102,6 +107,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         step_block_bytes: int | None = 1 << 20,
         master_dtype: torch.dtype | None = None,
         master_grad_bucket_bytes: int | None = 32 << 20,
+        collective_timeout: float | timedelta | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -126,6 +132,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                 f"{type(master_grad_bucket_bytes).__name__}: {master_grad_bucket_bytes!r}"
             )
         self._master_grad_bucket_bytes = master_grad_bucket_bytes
+        self._timeout = _check_timeout(collective_timeout)
         self._masters: _Masters | None = None
         self.group: dist.ProcessGroup = _resolve_group(group)
         self.rank: int = dist.get_rank(self.group)
@@ -157,6 +164,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._layout: _Layout
         self._sync: _ParamSync
         self._rebuild(migrate=False)
+        check_param_order(self._layout.params, self.group)  # [Note: Param order fingerprint]
         self._initialized = True
 
     # ------------------------------------------------------------------ layout
@@ -170,13 +178,14 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                 self._algorithm,
                 self.broadcast_fp16,
                 str(self.master_dtype),
+                hyperparam_digest(self.param_groups),
                 self._optim_cls.__name__,
                 [len(g["params"]) for g in self.param_groups],
                 hashlib.sha1(mask).hexdigest(),
             ),
             self.group,
-            "(partition_algorithm, broadcast_fp16, master_dtype, optim class, param group sizes, "
-            "requires_grad mask hash)",
+            "(partition_algorithm, broadcast_fp16, master_dtype, hyper-parameter digest, optim "
+            "class, param group sizes, requires_grad mask hash)",
         )
         check_consistent(params, group=self.group)
         moved: dict[int, dict[str, Any]] = {}
@@ -284,9 +293,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
         _agree(
-            hashlib.sha1(repr((own, order)).encode()).hexdigest(),
+            (
+                hashlib.sha1(repr((own, order)).encode()).hexdigest(),
+                hyperparam_digest(self.param_groups),
+            ),
             self.group,
-            "set_partition(owners, sync_order) (hash of the values)",
+            "set_partition(owners, sync_order) (hash of the values) and the hyper-parameter digest",
         )
         mask = bytes(int(p.requires_grad) for p in params)
         self._imposed = (tuple(id(p) for p in params), mask, own, order)
@@ -339,16 +351,26 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                 if k != "params":
                     wg[k] = v
 
-    def _check_before_step(self) -> None:
+    def _check_before_step(self, error: str | None = None, repartition: bool = True) -> None:
+        """The per-step agreement (collective): see [Note: Per-step agreement].
+
+        ``error`` is this rank's own reason to refuse the step, raised on every rank.
+        """
         changed = False
         for i, p in enumerate(self._layout.params):
-            if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
-                raise TypeError(
+            if (
+                error is None
+                and p.grad is not None
+                and (p.grad.is_sparse or p.grad.layout != torch.strided)
+            ):
+                error = (
                     f"param {i} (shape {tuple(p.shape)}) has a sparse gradient "
-                    f"({p.grad.layout}); ShardedOptimizer supports dense gradients only. Use "
-                    f"nn.Embedding(sparse=False) or keep these params in an unsharded optimizer."
+                    f"({p.grad.layout}) on rank {self.rank}; ShardedOptimizer supports dense "
+                    f"gradients only. Use nn.Embedding(sparse=False) or keep these params in an "
+                    f"unsharded optimizer."
                 )
-            changed |= p.requires_grad != self._layout.trainable[i]
+            changed |= repartition and p.requires_grad != self._layout.trainable[i]
+        changed = agree_step(self.param_groups, changed, error, self.group, self._timeout)
         if changed:
             warnings.warn(
                 "requires_grad changed on some params since the last partition: repartitioning "
@@ -495,19 +517,25 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._state_version += 1
 
     def _consume_external_step(self, closure: Callable[[], Any] | None) -> None:
+        error = None
         if closure is not None:
-            raise RuntimeError(
+            error = (
                 f"ShardedOptimizer.step(closure) while {self._stepper} steps this optimizer from "
                 f"its comm hook: the closure's backward would step it a second time. Run the "
                 f"forward/backward in the loop and call step() without a closure."
             )
-        if not self._skip_next_step:
-            raise RuntimeError(
+        elif not self._skip_next_step:
+            error = (
                 f"ShardedOptimizer.step(): {self._stepper} steps this optimizer from DDP's comm "
-                f"hook, and no backward pass with gradient synchronisation ran since the last "
-                f"step (under ddp.no_sync() the comm hooks do not run, and each backward's "
-                f"update is consumed by one step() call). Run a synchronised backward first."
+                f"hook, and no backward pass with gradient synchronisation ran on rank "
+                f"{self.rank} since the last step (under ddp.no_sync() the comm hooks do not "
+                f"run, and each backward's update is consumed by one step() call). Run a "
+                f"synchronised backward first."
             )
+        try:
+            self._check_before_step(error, repartition=False)
+        except TypeError as e:  # the local reasons are RuntimeErrors, as before
+            raise RuntimeError(str(e)) from None
         self._skip_next_step = False
 
     def _unscale_for_scaler(
@@ -583,6 +611,19 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             self.group,
             self._masters,
         )
+
+
+def _check_timeout(value: object) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        if isinstance(value, timedelta) and value.total_seconds() <= 0:
+            raise ValueError(f"collective_timeout must be positive, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"collective_timeout must be a positive number of seconds, a timedelta or None, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    return timedelta(seconds=float(value))
 
 
 def _index_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,129 @@
+"""Rank disagreements raise on every rank, never hang or train silently.
+
+See [Note: Per-step agreement] and [Note: Param order fingerprint]. Each test runs with a
+60 s limit: a hang fails it instead of waiting for the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _optim_testkit import train
+from shardkit.optim import ShardedOptimizer
+from shardkit.testing import world
+from torch import nn
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@world(2, timeout=60)
+def test_different_hyperparameters_at_construction() -> None:
+    lr = 0.01 if dist.get_rank() == 0 else 0.02
+    with pytest.raises(ValueError, match=r"ranks disagree on .*hyper-parameter digest"):
+        ShardedOptimizer(_model().parameters(), torch.optim.Adam, lr=lr)
+
+
+@world(2, timeout=60)
+def test_hyperparameters_changed_on_one_rank_between_steps() -> None:
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    train(model, opt, 1, batch=6)
+    if dist.get_rank() == 1:  # e.g. a schedule built from this rank's own loader length
+        opt.param_groups[0]["lr"] = 0.005
+    with pytest.raises(ValueError, match=r"lr=0\.01 on rank 0 but lr=0\.005 on rank 1"):
+        train(model, opt, 1, start=1, batch=6)
+
+
+@world(2, timeout=60)
+def test_requires_grad_changed_on_one_rank() -> None:
+    """The repartition every rank agrees to run then finds the masks differ: every rank raises."""
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    train(model, opt, 1, batch=6)
+    if dist.get_rank() == 0:
+        model[2].requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad mask hash"), pytest.warns(UserWarning):
+        train(model, opt, 1, start=1, batch=6)
+
+
+@world(2, timeout=60)
+def test_sparse_gradient_on_one_rank() -> None:
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    if dist.get_rank() == 1:
+        w = model[0].weight
+        w.grad = torch.zeros_like(w).to_sparse()
+    with pytest.raises(TypeError, match=r"sparse gradient .* on rank 1"):
+        opt.step()
+
+
+@world(2, timeout=60)
+def test_params_in_another_order_on_one_rank() -> None:
+    """The biases of the first two layers have the same shape: rank 1 passes them swapped,
+    which the shape/dtype check cannot see."""
+    model = _model()
+    params = list(model.parameters())
+    if dist.get_rank() == 1:
+        params[1], params[3] = params[3], params[1]
+    with pytest.raises(ValueError, match=r"param 1 \(shape \(6,\)\) on rank 1 holds the values"):
+        ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
+
+
+@world(2, timeout=60)
+def test_differently_initialised_ranks_are_not_an_ordering_error() -> None:
+    import shardkit.optim._agreement as agreement
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("shardkit.optim")
+    logger.addHandler(handler)
+    agreement._warned_values = False
+    try:
+        ShardedOptimizer(_model(seed=dist.get_rank()).parameters(), torch.optim.SGD, lr=0.1)
+    finally:
+        logger.removeHandler(handler)
+    assert any("initialised differently" in r.getMessage() for r in records)
+
+
+@world(2, timeout=60)
+def test_different_max_grad_norm() -> None:
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"rank 0: \(1\.0, 2\.0\), rank 1: \(2\.0, 2\.0\)"):
+        opt.clip_grad_norm(1.0 + dist.get_rank())
+
+
+@world(2, timeout=60)
+def test_collective_timeout_when_a_rank_skips_step() -> None:
+    """Rank 1 never calls step(): rank 0 raises after the timeout instead of hanging."""
+    group = dist.new_group([0, 1])  # a group of its own: the test leaves it unusable
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, group=group, lr=0.1,
+                           collective_timeout=2.0)  # fmt: skip
+    if dist.get_rank() == 0:
+        model(torch.randn(5, 4)).sum().backward()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not all take part within 0:00:02"):
+            opt.step()
+        assert time.monotonic() - start < 30
+    dist.barrier()  # the default group is still fine
+
+
+def test_bad_collective_timeout() -> None:
+    from shardkit.optim._sharded_optimizer import _check_timeout
+
+    for bad in (0, -1.0, "3", True):
+        with pytest.raises(ValueError, match="collective_timeout must be a positive number"):
+            _check_timeout(bad)
+    assert _check_timeout(2).total_seconds() == 2.0  # type: ignore[union-attr]
