@@ -1,4 +1,4 @@
-"""``ShardedOptimizer`` (alias ``OSS``): ZeRO-1 optimizer state sharding around any torch optimizer.
+"""``ShardedOptimizer``: ZeRO-1 optimizer state sharding around any torch optimizer.
 
 Entry points for shardkit-overlap (which drives the optimizer per DDP bucket from comm hooks):
 
@@ -52,7 +52,7 @@ from shardkit.optim._sync import _ParamSync
 from shardkit.partition import check_consistent
 from torch.optim import Optimizer
 
-__all__ = ["OSS", "ShardedOptimizer"]
+__all__ = ["ShardedOptimizer"]
 
 
 class ShardedOptimizer(_StateDictMixin, Optimizer):
@@ -61,7 +61,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
     Each rank keeps the optimizer state of only the params it owns and runs the wrapped
     optimizer (``self.optim``) on them; after the local step every rank receives the updated
     params from their owners with one broadcast per (device, dtype, owner) flat bucket. It is a
-    drop-in replacement for ``fairscale.optim.OSS``. All methods documented as collective must be
+    drop-in replacement for ``fairscale.optim.OSS`` (see :class:`OSS` for fairscale's exact
+    constructor). All methods documented as collective must be
     called by every rank of ``group``.
 
     Args:
@@ -110,6 +111,13 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         collective_timeout: float | timedelta | None = None,
         **defaults: Any,
     ) -> None:
+        if "optimizer_class" in defaults:
+            raise TypeError(
+                "ShardedOptimizer takes the optimizer class as optim= (fairscale's keyword); "
+                "optimizer_class= is torch ZeroRedundancyOptimizer's. Write "
+                "ShardedOptimizer(params, optim=torch.optim.Adam, lr=...), or use "
+                "shardkit.optim.ZeroRedundancyOptimizer, which has torch's signature."
+            )
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
             raise TypeError(
                 f"optim must be a torch.optim.Optimizer subclass (the class, e.g. "
@@ -635,5 +643,3 @@ def _index_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         j += n
     return out
 
-
-OSS = ShardedOptimizer
