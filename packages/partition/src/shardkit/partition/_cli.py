@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -46,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--freeze", default=None, help="regex: freeze parameters whose name matches")
     plan.add_argument("--align", type=int, default=1, help="flat: shard alignment in elements")
-    plan.add_argument("--brief", action="store_true", help="only the comparison, no per-rank tables")
+    plan.add_argument(
+        "--brief", action="store_true", help="only the comparison, no per-rank tables"
+    )
     sub.add_parser("list", help="list the shipped shape files")
     return p
 
@@ -61,7 +64,9 @@ def _algos(values: Sequence[str] | None) -> list[str]:
             if name == "all":
                 out.extend(a for a in _ALL if a not in out)
             elif name not in _ALL:
-                raise ValueError(f"unknown algorithm {name!r}; expected one of {', '.join(_ALL)}, all")
+                raise ValueError(
+                    f"unknown algorithm {name!r}; expected one of {', '.join(_ALL)}, all"
+                )
             elif name not in out:
                 out.append(name)
     return out
@@ -92,7 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{shapes.name}: {len(shapes.specs)} parameters, {shapes.numel:,} elements "
         f"({sum(1 for s in shapes.specs if not s.requires_grad)} frozen); cost = "
-        + ("parameter bytes" if args.bytes_per_element is None else f"{args.bytes_per_element:g} B/element")
+        + (
+            "parameter bytes"
+            if args.bytes_per_element is None
+            else f"{args.bytes_per_element:g} B/element"
+        )
     )
     summary: list[list[str]] = []
     for w in args.world:
@@ -108,23 +117,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else args.bytes_per_element
                 )
                 loads = [float(x) * scale for x in result.loads]
-                bound = "-"
+                # Elements can be split: the only floor is the mean of the real elements.
+                bound = result.numel * scale / w
             else:
                 result = partition(shapes.specs, w, algorithm=algo, costs=costs)
                 loads = list(result.loads)
-                bound = f"{result.bound:.4f}"
+                bound = result.lower_bound
             ms = (time.perf_counter() - t0) * 1e3
             if not args.brief:
                 print()
                 print(result.describe())
+            mean = math.fsum(loads) / w
             summary.append(
                 [
                     str(w),
                     algo,
                     _human(max(loads), "bytes"),
+                    _human(bound, "bytes"),
+                    f"{max(loads) / bound:.4f}" if bound > 0 else "-",
                     _human(min(loads), "bytes"),
                     f"{result.imbalance:.4f}",
-                    bound,
+                    f"{bound / mean:.4f}" if mean > 0 else "-",
                     f"{ms:.1f}",
                 ]
             )
@@ -132,9 +145,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(
             _table(
-                ["world", "algorithm", "max load", "min load", "imbalance", "lower bound", "ms"],
+                [
+                    "world",
+                    "algorithm",
+                    "max load",
+                    "lower bound",
+                    "max/bound",
+                    "min load",
+                    "imbalance",
+                    "bound/mean",
+                    "ms",
+                ],
                 summary,
                 left=(1,),
             )
+        )
+        print(
+            "lower bound = max(largest param, mean load) (flat: the mean): no plan's max load "
+            "is below it; max/bound <= 1.0000 means optimal"
         )
     return 0

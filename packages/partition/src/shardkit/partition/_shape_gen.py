@@ -123,7 +123,12 @@ def _resnet50() -> list[_Param]:
 
 
 def _llama(
-    hidden: int, intermediate: int, layers: int, vocab: int, dtype: str, kv_hidden: int | None = None
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    vocab: int,
+    dtype: str,
+    kv_hidden: int | None = None,
 ) -> list[_Param]:
     """HF ``LlamaForCausalLM``: bias-free projections, RMSNorm weights, untied lm_head."""
     d, kv = hidden, kv_hidden or hidden
@@ -138,6 +143,77 @@ def _llama(
             (p + "mlp.gate_proj.weight", [intermediate, d], dtype, True),
             (p + "mlp.up_proj.weight", [intermediate, d], dtype, True),
             (p + "mlp.down_proj.weight", [d, intermediate], dtype, True),
+            (p + "input_layernorm.weight", [d], dtype, True),
+            (p + "post_attention_layernorm.weight", [d], dtype, True),
+        ]
+    out += [
+        ("model.norm.weight", [d], dtype, True),
+        ("lm_head.weight", [vocab, d], dtype, True),
+    ]
+    return out
+
+
+def _vit_large_16(num_classes: int = 1000) -> list[_Param]:
+    """timm ``vit_large_patch16_224`` (torchvision ``vit_l_16`` has the same shapes): patch 16,
+    224 px (196 patches + class token), width 1024, 24 blocks, MLP 4096, 1000 classes
+    (304,326,632 params). The class token and position embedding are registered first."""
+    d, ff = 1024, 4096
+    out: list[_Param] = [
+        ("cls_token", [1, 1, d], "float32", True),
+        ("pos_embed", [1, 197, d], "float32", True),
+        ("patch_embed.proj.weight", [d, 3, 16, 16], "float32", True),
+        ("patch_embed.proj.bias", [d], "float32", True),
+    ]
+    for i in range(24):
+        p = f"blocks.{i}."
+        out += [
+            (p + "norm1.weight", [d], "float32", True),
+            (p + "norm1.bias", [d], "float32", True),
+            (p + "attn.qkv.weight", [3 * d, d], "float32", True),
+            (p + "attn.qkv.bias", [3 * d], "float32", True),
+            (p + "attn.proj.weight", [d, d], "float32", True),
+            (p + "attn.proj.bias", [d], "float32", True),
+            (p + "norm2.weight", [d], "float32", True),
+            (p + "norm2.bias", [d], "float32", True),
+            (p + "mlp.fc1.weight", [ff, d], "float32", True),
+            (p + "mlp.fc1.bias", [ff], "float32", True),
+            (p + "mlp.fc2.weight", [d, ff], "float32", True),
+            (p + "mlp.fc2.bias", [d], "float32", True),
+        ]
+    out += [
+        ("norm.weight", [d], "float32", True),
+        ("norm.bias", [d], "float32", True),
+        ("head.weight", [num_classes, d], "float32", True),
+        ("head.bias", [num_classes], "float32", True),
+    ]
+    return out
+
+
+def _mixtral(
+    hidden: int, intermediate: int, layers: int, experts: int, vocab: int, kv_hidden: int
+) -> list[_Param]:
+    """HF ``MixtralForCausalLM`` (per-expert ``w1``/``w2``/``w3`` layout of transformers 4.x):
+    grouped-query attention, a router ``gate`` and ``experts`` SwiGLU MLPs per layer, RMSNorm
+    weights, untied lm_head, bfloat16."""
+    d, dtype = hidden, "bfloat16"
+    out: list[_Param] = [("model.embed_tokens.weight", [vocab, d], dtype, True)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", [d, d], dtype, True),
+            (p + "self_attn.k_proj.weight", [kv_hidden, d], dtype, True),
+            (p + "self_attn.v_proj.weight", [kv_hidden, d], dtype, True),
+            (p + "self_attn.o_proj.weight", [d, d], dtype, True),
+            (p + "block_sparse_moe.gate.weight", [experts, d], dtype, True),
+        ]
+        for e in range(experts):
+            q = p + f"block_sparse_moe.experts.{e}."
+            out += [
+                (q + "w1.weight", [intermediate, d], dtype, True),
+                (q + "w2.weight", [d, intermediate], dtype, True),
+                (q + "w3.weight", [intermediate, d], dtype, True),
+            ]
+        out += [
             (p + "input_layernorm.weight", [d], dtype, True),
             (p + "post_attention_layernorm.weight", [d], dtype, True),
         ]
@@ -181,6 +257,26 @@ _MODELS: dict[str, tuple[str, int, Callable[[], list[_Param]]]] = {
         "32000, untied lm_head, torch_dtype float16; LlamaForCausalLM",
         6_738_415_616,
         lambda: _llama(4096, 11008, 32, 32000, "float16"),
+    ),
+    "vit-l16": (
+        "timm vit_large_patch16_224 (= torchvision vit_l_16): patch 16, 224 px, width 1024, "
+        "24 blocks, MLP 4096, 1000 classes; VisionTransformer",
+        304_326_632,
+        _vit_large_16,
+    ),
+    "mistral-7b": (
+        "Mistral-7B-v0.1 config: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV "
+        "heads (grouped-query attention), vocab 32000, untied lm_head, torch_dtype bfloat16; "
+        "MistralForCausalLM",
+        7_241_732_096,
+        lambda: _llama(4096, 14336, 32, 32000, "bfloat16", kv_hidden=1024),
+    ),
+    "mixtral-8x7b": (
+        "Mixtral-8x7B-v0.1 config: hidden 4096, intermediate 14336, 32 layers, 8 experts, 32 "
+        "heads, 8 KV heads, vocab 32000, untied lm_head, torch_dtype bfloat16; "
+        "MixtralForCausalLM (transformers 4.x per-expert layout)",
+        46_702_792_704,
+        lambda: _mixtral(4096, 14336, 32, 8, 32000, kv_hidden=1024),
     ),
 }
 
