@@ -10,13 +10,13 @@ Measured on the trainer, alternating torch / shardkit blocks in one run to share
 - step latency: median seconds of ``opt.step(context_id)`` alone, per thread;
 - throughput: full training steps per second over all trainer threads;
 - lost updates: the gradient is constant (1 per element), so after N applied steps every element
-  is exactly -N; how many updates the worst element lacks;
-- direct step share (shardkit): the fraction of owner steps sent over the direct step channel
-  (1.0 by default, 0.0 with SHARDKIT_RPC_DIRECT_STEP=0; see [Note: Direct step channel]).
+  is exactly -N; how many updates the worst element lacks.
 
-Ratios are shardkit / torch (latency: lower is better, target <= 1.0; throughput: higher is
-better). With several threads torch's steps run concurrently and unlocked (and may lose updates),
-shardkit's are serialised per owner (exact), so the throughput ratio there prices exactness.
+Ratios are shardkit / torch (latency: lower is better, goal <= 1.5; throughput: higher is
+better, goal >= 1.0 with 4 trainer threads). With several threads torch's steps run concurrently
+and unlocked (and may lose updates), shardkit's are serialised per owner (exact), so the
+throughput ratio there prices exactness. ``test_lost_updates`` counts lost updates under 4 and 8
+concurrent trainers (see [Note: Lost-update benchmark]).
 """
 
 from __future__ import annotations
@@ -104,14 +104,10 @@ def _block(impl: str, tag: str, numel: int, threads: int, steps: int) -> dict[st
     lost = max(
         total + rpc.rpc_sync(o, _min_value, args=(t,)) for o, t in zip(owners, tags, strict=True)
     )
-    # shardkit: the share of owner steps that took the direct step channel (1.0 unless disabled).
-    direct = getattr(opt, "_direct", None)
-    share = sum(direct.sent.values()) / (total * len(owners)) if direct is not None else 0.0
     return {
         "latency": statistics.median(latencies),
         "throughput": total / elapsed,
         "lost": lost,
-        "direct": share,
     }
 
 
@@ -129,7 +125,7 @@ def _body_compare(rank: int, numel: int, threads: int, steps: int, rounds: int) 
             "latency": statistics.median(b["latency"] for b in blocks),
             "throughput": statistics.median(b["throughput"] for b in blocks),
             "lost": max(b["lost"] for b in blocks),
-            "direct": min(b["direct"] for b in blocks),
+            "lost_total": sum(b["lost"] for b in blocks),
         }
         for impl, blocks in runs.items()
     }
@@ -165,7 +161,45 @@ def test_step(benchmark: Any, rpc_world: Any, numel: int, threads: int, steps: i
             "torch_steps_per_s": torch_r["throughput"],
             "shardkit_lost_updates": shard_r["lost"],
             "torch_lost_updates": torch_r["lost"],
-            "shardkit_direct_step_share": shard_r["direct"],
+            "load_average_1min": os.getloadavg()[0],
+        }
+    )
+    assert shard_r["lost"] == 0.0, result
+
+
+# [Note: Lost-update benchmark]
+# torch's TorchScript step takes no lock, so concurrent steps on one owner race on the in-place
+# update (see [Note: Where torch's DistributedOptimizer loses updates] in the tests); the race
+# shows with parameters of 2**18+ elements and many concurrent steps. This case runs 4 or 8
+# trainer threads x 50 steps on 2**20 elements per owner, both implementations alternating over
+# 4 blocks each, and records how many updates the worst element lacks (worst block, and the sum
+# over blocks). The count is probabilistic for torch; shardkit's must be 0.
+_LOST_CASES = [
+    pytest.param(4, id="4-trainers"),
+    pytest.param(8, id="8-trainers"),
+]
+
+
+@pytest.mark.parametrize("threads", _LOST_CASES)
+def test_lost_updates(benchmark: Any, rpc_world: Any, threads: int) -> None:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(
+            rpc_world.run(_PATH, "_body_compare", 2 << 20, threads, 50, 4, timeout=600)[0]
+        )
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    torch_r, shard_r = result["torch"], result["shardkit"]
+    benchmark.extra_info.update(
+        {
+            "shardkit_lost_updates": shard_r["lost"],
+            "torch_lost_updates": torch_r["lost"],
+            "shardkit_lost_updates_total": shard_r["lost_total"],
+            "torch_lost_updates_total": torch_r["lost_total"],
+            "throughput_ratio_vs_torch": shard_r["throughput"] / torch_r["throughput"],
+            "shardkit_steps_per_s": shard_r["throughput"],
+            "torch_steps_per_s": torch_r["throughput"],
             "load_average_1min": os.getloadavg()[0],
         }
     )

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from shardkit.rpc import DistributedOptimizer, ParamGroupsView, RemoteOptimizerError
+from shardkit.rpc import (
+    DistributedOptimizer,
+    ParamGroupsView,
+    RemoteOptimizerError,
+    _logging,
+    _optimizer,
+    _owner,
+    _ranges,
+    _script_step,
+)
 from shardkit.rpc._keys import param_key, remap_key, split_param_key
 from shardkit.rpc._optimizer import _normalise_groups, _rpc_timeout, _same, _snapshot
+from shardkit.rpc._torch_compat import profiling
 
 owner_names = st.text(min_size=1, max_size=12).filter(lambda s: s.strip() != "")
 
@@ -125,3 +138,138 @@ def test_remote_error_names_every_failure() -> None:
     assert "[w1] TimeoutError: late" in text and "[w2] RuntimeError: boom" in text
     assert "completed on ['w0']" in text
     assert set(err.failures) == {"w1", "w2"} and err.succeeded == ["w0"]
+
+
+# -- the TorchScript step entry point (see [Note: Step requests]) --------------------------------
+
+
+def test_script_step_compiles_without_warnings() -> None:
+    """On this torch the step entry point is a TorchScript function; compiling it shows the user
+    no warning (torch 2.13 deprecates `torch.jit.script`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = _script_step._compile()
+    assert isinstance(compiled, torch.jit.ScriptFunction)
+    assert isinstance(_script_step.script_step, torch.jit.ScriptFunction)
+    assert compiled.qualified_name.endswith("shardkit.rpc._script_step._remote_step_script")
+
+
+def test_script_step_reports_failures_as_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called locally (no RPC), a failing step comes back as the text the trainer raises (type,
+    message, owner traceback), not as a TorchScript interpreter error."""
+
+    def unknown(handle: int) -> None:
+        raise ValueError(f"no optimizer {handle}")
+
+    monkeypatch.setattr(_owner, "_lookup", unknown)
+    text = _script_step.script_step(12, 1)
+    assert isinstance(text, str), text
+    assert text.startswith("ValueError: no optimizer 12\n\nOwner traceback:"), text
+    assert "in step_and_wait" in text, text
+
+
+def test_script_step_fallback_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(fn: object) -> object:
+        raise RuntimeError("no TorchScript here")
+
+    caplog.set_level(logging.INFO, logger="shardkit.rpc")
+    monkeypatch.setattr(torch.jit, "script", broken)
+    assert _script_step._compile() is None
+    monkeypatch.setattr(torch.jit, "script", lambda fn: fn)  # what PYTORCH_JIT=0 does
+    assert _script_step._compile() is None
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shardkit.rpc"]
+    assert len(messages) == 2, messages
+    assert messages[0][0] == logging.WARNING and "no TorchScript here" in messages[0][1]
+    assert messages[1][0] == logging.INFO and "PYTORCH_JIT=0" in messages[1][1]
+    assert all("Python RPC calls" in text for _, text in messages)
+
+
+# -- logging and profiler ranges (see [Note: Profiler ranges]) ------------------------------------
+
+
+@pytest.fixture
+def fresh_log(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> Any:
+    """caplog at DEBUG on ``shardkit.rpc``, with nothing logged once yet in this process."""
+    monkeypatch.setattr(_logging, "_logged", set())
+    caplog.set_level(logging.DEBUG, logger="shardkit.rpc")
+    return caplog
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shardkit.rpc"]
+
+
+def test_log_once_per_key(fresh_log: pytest.LogCaptureFixture) -> None:
+    for _ in range(3):
+        _logging.log_once("a", logging.INFO, "fallback %s", "a")
+    _logging.log_once("b", logging.WARNING, "fallback %s", "b")
+    assert _messages(fresh_log) == [(logging.INFO, "fallback a"), (logging.WARNING, "fallback b")]
+
+
+def test_python_step_for_an_owner_without_torchscript_is_logged_once(
+    fresh_log: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _optimizer._step_call("w1", True) is _script_step.script_step
+    for _ in range(2):
+        assert _optimizer._step_call("w1", False) is _owner._remote_step
+    assert _optimizer._step_call("w2", False) is _owner._remote_step
+    messages = _messages(fresh_log)
+    assert [level for level, _ in messages] == [logging.INFO, logging.INFO], messages
+    assert "w1 has no TorchScript step entry point" in messages[0][1]
+    assert "w2 has no TorchScript step entry point" in messages[1][1]
+    # Without TorchScript here, `_script_step` logged it already (at import): nothing more.
+    monkeypatch.setattr(_optimizer, "script_step", None)
+    assert _optimizer._step_call("w3", True) is _owner._remote_step
+    assert len(_messages(fresh_log)) == 2
+
+
+class _Incomparable:
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("ambiguous")
+
+    __hash__ = object.__hash__
+
+
+def test_incomparable_option_is_treated_as_changed_and_logged_once(
+    fresh_log: pytest.LogCaptureFixture,
+) -> None:
+    a, b = _Incomparable(), _Incomparable()
+    assert not _same(a, b, "mode")
+    assert not _same(b, a, "mode")
+    messages = _messages(fresh_log)
+    assert len(messages) == 1, messages
+    assert (
+        "option 'mode'" in messages[0][1] and "sent to the owners with every step" in messages[0][1]
+    )
+
+
+def test_profiling_flag_follows_the_profiler() -> None:
+    """Pins torch.autograd.profiler._is_profiler_enabled (see _torch_compat.py): set by both
+    profiler entry points while they run, process-wide."""
+    assert profiling() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert profiling() is True
+    assert profiling() is False
+    with torch.autograd.profiler.profile():
+        assert profiling() is True
+    assert profiling() is False
+
+
+def test_profiling_without_the_flag_records_always_and_logs_once(
+    fresh_log: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
+    assert profiling() is True and profiling() is True
+    messages = _messages(fresh_log)
+    assert len(messages) == 1 and "recorded on every step" in messages[0][1], messages
+
+
+def test_phase_is_a_range_only_while_profiling() -> None:
+    assert _ranges.phase("shardkit.rpc.test") is _ranges._NO_RANGE
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with _ranges.phase("shardkit.rpc.test"):
+            torch.ones(2).add_(1)
+    names = {event.name for event in prof.events()}
+    assert "shardkit.rpc.test" in names, sorted(names)

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from shardkit.rpc._channel import DirectSteps, Endpoint, enabled, wait_limit
 from shardkit.rpc._errors import RemoteOptimizerError
 from shardkit.rpc._keys import param_key, remap_key, split_param_key
+from shardkit.rpc._logging import log_once
 from shardkit.rpc._owner import (
     GroupSpec,
     Updates,
@@ -22,11 +22,14 @@ from shardkit.rpc._owner import (
     _remote_new,
     _remote_state,
     _remote_step,
+    _remote_step_with,
 )
+from shardkit.rpc._ranges import phase
 from shardkit.rpc._scheduler import _DRIVER_TOKEN, ParamGroupsView
+from shardkit.rpc._script_step import script_step
 from shardkit.rpc._torch_compat import context_gradients, is_rref
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
-from torch.futures import Future
+from torch.futures import Future, collect_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -113,7 +116,27 @@ def _snapshot(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _step_call(owner: str, owner_has_script: bool) -> Callable[..., Any]:
+    """The entry point for ``owner``'s steps without option changes: the TorchScript one where
+    both sides compiled it, else the Python one (logged once per owner). See [Note: Step
+    requests]."""
+    python_step: Callable[..., Any] = _remote_step
+    if script_step is None:  # this process could not compile it: logged by `_script_step`
+        return python_step
+    if not owner_has_script:
+        log_once(
+            f"python-step:{owner}",
+            logging.INFO,
+            "shardkit.rpc: %s has no TorchScript step entry point (TorchScript unavailable "
+            "there, see its log); steps to it use Python RPC calls (same results, slower)",
+            owner,
+        )
+        return python_step
+    compiled: Callable[..., Any] = script_step
+    return compiled
+
+
+def _same(a: Any, b: Any, key: str = "") -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -126,7 +149,17 @@ def _same(a: Any, b: Any) -> bool:
         return False
     try:
         return bool(a == b)
-    except Exception:  # exotic values without a boolean ==: treat as changed
+    except Exception as err:  # exotic values without a boolean ==: treat as changed
+        log_once(
+            f"same:{type(a).__qualname__}",
+            logging.INFO,
+            "shardkit.rpc: cannot compare param-group option %r values of type %s (%s: %s); it "
+            "is treated as changed, so it is sent to the owners with every step",
+            key,
+            type(a).__qualname__,
+            type(err).__name__,
+            err,
+        )
         return False
 
 
@@ -144,11 +177,8 @@ class DistributedOptimizer:
     only during the step; param groups, ``state_dict``/``load_state_dict``, LR schedulers (via
     :attr:`scheduler_view`), per-call timeouts and errors naming every failing owner.
 
-    :meth:`step` is sent to each owner over a direct TCP channel (a fixed binary format, a
-    per-optimizer 128-bit token, no pickle) rather than a Python RPC, which costs more than
-    torch's whole TorchScript step; everything else uses RPC. Set the environment variable
-    ``SHARDKIT_RPC_DIRECT_STEP=0`` (on the trainer or on an owner) to step over RPC instead;
-    results are the same. See [Note: Direct step channel].
+    Everything goes over torch RPC. A :meth:`step` is one call per owner carrying the context
+    id and, when options changed, the changed options only; see [Note: Step requests].
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass, importable on the owner workers
@@ -219,16 +249,19 @@ class DistributedOptimizer:
         # See [Note: Optimizer handles].
         self._owner_rrefs: dict[str, Any] = {owner: created[owner][0] for owner in self._owners}
         self._remote: dict[str, int] = {owner: created[owner][1] for owner in self._owners}
-        # Steps go over the direct step channel where the owner offered one (endpoint, token)
-        # and it is not disabled here; see [Note: Direct step channel].
-        routes: dict[str, tuple[Endpoint, int, bytes]] = {
-            owner: (created[owner][3], self._remote[owner], created[owner][4])
+        # Per owner: (name, worker info, handle, the call for a step without option changes,
+        # its profiler range name). The worker info spares `rpc_async` a name lookup per call.
+        # See [Note: Step requests] and [Note: Profiler ranges].
+        self._step_calls: list[tuple[str, Any, int, Callable[..., Any], str]] = [
+            (
+                owner,
+                rpc.get_worker_info(owner),
+                self._remote[owner],
+                _step_call(owner, created[owner][3]),
+                f"shardkit.rpc.step.request[{owner}]",
+            )
             for owner in self._owners
-            if created[owner][3] is not None and created[owner][4] is not None
-        }
-        self._direct: DirectSteps | None = DirectSteps(routes) if routes and enabled() else None
-        if self._direct is not None:
-            weakref.finalize(self, self._direct.close)
+        ]
 
         # [Note: Hyper-parameter forwarding]
         # `param_groups` on the trainer is authoritative for options. `_synced[g]` is a snapshot
@@ -290,9 +323,8 @@ class DistributedOptimizer:
 
         Owners step concurrently; the call returns when all are done. Concurrent calls (threads
         or other trainer processes with their own DistributedOptimizer over the same params)
-        are serialised per owner, so every step is applied exactly once. The request travels
-        over the direct step channel where the owner offers one, else over RPC (see
-        [Note: Direct step channel]).
+        are serialised per owner, so every step is applied exactly once. Each owner gets one
+        RPC with the context id (and the changed options, if any); see [Note: Step requests].
 
         Args:
             context_id: The id from ``with torch.distributed.autograd.context() as context_id``,
@@ -305,42 +337,38 @@ class DistributedOptimizer:
                 (before any RPC is sent).
             RemoteOptimizerError: one or more owners failed or timed out; names all of them.
         """
+        with phase("shardkit.rpc.step"):  # See [Note: Profiler ranges].
+            self._step(context_id, timeout)
+
+    def _step(self, context_id: int, timeout: float | None) -> None:
         rpc_timeout = _rpc_timeout(timeout)
         self._check_context(context_id)
         updates = self._collect_updates()
-        # Every owner's request is sent (channel or `rpc_async`) before waiting on any: the
-        # owners step concurrently, and the call name is only formatted when something failed.
-        # See [Note: Direct step channel].
-        direct = self._direct
-        limit = deadline = None
-        if direct is not None:
-            # `get_rpc_timeout` is public (documented) but missing from torch's stubs' exports.
-            limit = wait_limit(timeout, float(rpc.get_rpc_timeout()))  # type: ignore[attr-defined]
-            deadline = None if limit is None else time.monotonic() + limit
-        sent: list[Any] = []
+        # Every owner's call is started before waiting on any, so the owners step concurrently.
+        # See [Note: Step requests].
         futs: dict[str, Future[Any]] = {}
         failures: dict[str, BaseException] = {}
-        for owner, handle in self._remote.items():
+        for owner, to, handle, call, range_name in self._step_calls:
             owner_updates = self._updates_for(owner, updates) if updates else None
-            if direct is not None:
-                request = direct.send(owner, context_id, owner_updates, deadline)
-                if request is not None:
-                    sent.append(request)
-                    continue
-            args = (handle, context_id, owner_updates)
             try:
-                futs[owner] = rpc.rpc_async(owner, _remote_step, args=args, timeout=rpc_timeout)
+                with phase(range_name):
+                    if owner_updates is None:
+                        args: tuple[Any, ...] = (handle, context_id)
+                        fut = rpc.rpc_async(to, call, args=args, timeout=rpc_timeout)
+                    else:
+                        args = (handle, context_id, owner_updates)
+                        fut = rpc.rpc_async(to, _remote_step_with, args=args, timeout=rpc_timeout)
             except Exception as err:  # e.g. the RPC agent is shut down or the name is unknown
                 failures[owner] = err
-        done: dict[str, Any] = {}
-        if direct is not None:
-            for request in sent:
-                error = direct.finish(request, deadline, limit)
-                if error is None:
-                    done[request.owner] = None
-                else:
-                    failures[request.owner] = error
-        self._wait(f"step(context_id={context_id})", futs, failures, done)
+            else:
+                futs[owner] = fut
+        with phase("shardkit.rpc.step.wait"):
+            if len(futs) > 1:
+                # Chained in C++: the trainer wakes once, when every owner answered. It completes
+                # early on the first error; `_wait` then collects every owner's outcome.
+                with contextlib.suppress(Exception):
+                    collect_all(list(futs.values())).wait()
+            self._wait(f"step(context_id={context_id})", futs, failures)
         if self._view is not None:
             self._view.step(_DRIVER_TOKEN)
 
@@ -383,7 +411,7 @@ class DistributedOptimizer:
                     k: v
                     for k, v in group.items()
                     if k != "params"
-                    and (k not in synced or (synced[k] is not v and not _same(synced[k], v)))
+                    and (k not in synced or (synced[k] is not v and not _same(synced[k], v, k)))
                 }
                 if changes:
                     updates[g] = changes
@@ -563,14 +591,9 @@ class DistributedOptimizer:
         operation: str,
         futs: dict[str, Future[Any]],
         failures: dict[str, BaseException],
-        done: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Wait for every started call; raise one error naming all failures (started or not).
-
-        ``done`` holds the results of owners already answered by other means (the direct step
-        channel), counted as succeeded.
-        """
-        results: dict[str, Any] = dict(done) if done else {}
+        """Wait for every started call; raise one error naming all failures (started or not)."""
+        results: dict[str, Any] = {}
         for owner, fut in futs.items():
             try:
                 result = fut.wait()
@@ -581,6 +604,8 @@ class DistributedOptimizer:
             # itself (torch 2.13), not as a raised error; no entry point returns an exception.
             if isinstance(result, BaseException):
                 failures[owner] = result
+            elif isinstance(result, str):  # a failed TorchScript step; see [Note: Step requests]
+                failures[owner] = RuntimeError(result)
             else:
                 results[owner] = result
         if failures:

@@ -7,16 +7,18 @@ Everything in this module runs on the worker that owns the parameters; the funct
 from __future__ import annotations
 
 import copy
-import secrets
+import logging
 import threading
+import traceback
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
-from shardkit.rpc._channel import Endpoint, serve
+from shardkit.rpc._logging import log_once
+from shardkit.rpc._queue import queue_for
+from shardkit.rpc._ranges import phase
 from shardkit.rpc._torch_compat import context_gradients
 from torch.futures import Future
 
@@ -28,93 +30,6 @@ _T = TypeVar("_T")
 GroupSpec = tuple[int, list[Any], dict[str, Any]]
 # Hyper-parameter changes: global group index -> {key: new value}.
 Updates = dict[int, dict[str, Any]]
-
-
-# [Note: Per-optimizer serial queue]
-# Every operation on an owner's optimizer (step, state_dict, load_state_dict) goes through a
-# `_SerialQueue`, which runs them one at a time in arrival order: that is what makes concurrent
-# trainers exact (no two `optimizer.step()` calls interleave their read-modify-writes, and no
-# step reads a `.grad` another step installed). The queue belongs to the *parameters*, not to the
-# process: DistributedOptimizers whose local parameters overlap (e.g. one per trainer process,
-# all over the same model, as torch's design intends) share one queue, while optimizers over
-# disjoint parameters on the same worker step in parallel. torch's `_LocalOptimizer` uses one
-# process-wide lock instead, and its TorchScript path uses none.
-#
-# The RPC entry points are `@rpc.functions.async_execution`: a request that finds the queue
-# busy only enqueues its work and returns a Future, releasing the RPC server thread at once. The
-# thread that found the queue idle drains it (running later arrivals too) and completes each
-# Future in turn. So N concurrent trainers occupy one server thread per queue, not N, and cannot
-# starve the pool that distributed autograd's backward pass also needs.
-
-
-class _SerialQueue:
-    """Runs submitted callables one at a time, in order, on whichever thread finds it idle."""
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._queue: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._draining = False
-
-    def submit(self, work: Callable[[], _T]) -> Future[_T]:
-        """Run ``work`` after every previously submitted one. See [Note: Per-optimizer serial queue]."""
-        fut: Future[Any] = Future()
-        with self._mutex:
-            if self._draining:
-                self._queue.append((work, fut))
-                return fut
-            self._draining = True
-        # Idle queue (the common case): run inline on this RPC thread, no enqueue round trip.
-        try:
-            result = work()
-        except BaseException as err:  # handed to the caller through its Future
-            fut.set_exception(err)
-        else:
-            fut.set_result(result)
-        self._drain()
-        return fut
-
-    def _drain(self) -> None:
-        """Run what arrived while this thread held the queue, then mark it idle."""
-        while True:
-            with self._mutex:
-                if not self._queue:
-                    self._draining = False
-                    return
-                item, item_fut = self._queue.popleft()
-            try:
-                result = item()
-            except BaseException as err:  # handed to the caller through its Future
-                item_fut.set_exception(err)
-            else:
-                item_fut.set_result(result)
-
-
-# id(parameter) -> (weak reference to it, its queue). Guarded by `_registry_lock`.
-_registry: dict[int, tuple[weakref.ref[torch.Tensor], _SerialQueue]] = {}
-_registry_lock = threading.Lock()
-
-
-def _queue_for(params: list[torch.Tensor]) -> _SerialQueue:
-    """The queue shared by every optimizer over any of ``params``. See [Note: Per-optimizer serial queue]."""
-    with _registry_lock:
-        for key in [k for k, (ref, _) in _registry.items() if ref() is None]:
-            del _registry[key]
-        found: list[_SerialQueue] = []
-        for p in params:
-            entry = _registry.get(id(p))
-            if entry is not None and entry[0]() is p and all(q is not entry[1] for q in found):
-                found.append(entry[1])
-        if len(found) > 1:
-            raise ValueError(
-                "these parameters are already split between several DistributedOptimizers on "
-                "this worker (each with its own step queue), so one optimizer over all of them "
-                "could not be serialised against the others; give every DistributedOptimizer "
-                "either the same parameters or disjoint ones"
-            )
-        queue = found[0] if found else _SerialQueue()
-        for p in params:
-            _registry[id(p)] = (weakref.ref(p), queue)
-        return queue
 
 
 class _LocalOptimizer:
@@ -153,16 +68,18 @@ class _LocalOptimizer:
                 tensors.append(value)
             torch_groups.append({**options, "params": tensors})
         self.optimizer = optimizer_class(torch_groups, *args, **kwargs)
-        self._queue = _queue_for(self.params)
-        # Proof of access for the direct step channel; see [Note: Direct step channel].
-        self.token = secrets.token_bytes(16)
-        self.direct_steps = 0  # steps applied through the channel (tests read it)
+        self._queue = queue_for(self.params)
 
     def submit(self, work: Callable[[], _T]) -> Future[_T]:
-        """Run ``work`` serialised with every other operation on these parameters."""
+        """Run ``work`` serialised with every other operation on these parameters; a Future."""
         return self._queue.submit(work)
 
-    # -- operations (always run through `submit`) -----------------------------------------------
+    def run(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` serialised with every other operation on these parameters, on this
+        thread (waiting for its turn), and return its result."""
+        return self._queue.run(work)
+
+    # -- operations (always run through `submit` or `run`) --------------------------------------
 
     def apply_updates(self, updates: Updates | None) -> None:
         """Apply hyper-parameter changes forwarded from the trainer's ``param_groups``."""
@@ -175,9 +92,23 @@ class _LocalOptimizer:
 
     def step(self, context_id: int, updates: Updates | None) -> None:
         """One optimizer step with the gradients this worker holds in ``context_id``."""
+        with phase("shardkit.rpc.owner.step"):  # See [Note: Profiler ranges].
+            self._step(context_id, updates)
+
+    def _step(self, context_id: int, updates: Updates | None) -> None:
         if updates:
             self.apply_updates(updates)
-        grads = context_gradients(context_id, missing_ok=True) or {}
+        grads = context_gradients(context_id, missing_ok=True)
+        if not grads:
+            grads = {}
+            log_once(
+                "no-gradients",
+                logging.DEBUG,
+                "shardkit.rpc: a step named distributed autograd context %d, which holds no "
+                "gradient on %s; its parameters are skipped (as with grad None)",
+                context_id,
+                rpc.get_worker_info().name,
+            )
         # [Note: Gradients are lent, never left behind]
         # The context's gradients are installed as `.grad` only for the duration of
         # `optimizer.step()`, and whatever `.grad` was there before (normally None) is put back,
@@ -191,18 +122,6 @@ class _LocalOptimizer:
         finally:
             for p, g in zip(self.params, saved, strict=True):
                 p.grad = g
-
-    def direct_step(self, context_id: int, updates: Updates | None) -> None:
-        """A step from the direct step channel's handler thread: queued like ``_remote_step``.
-
-        See [Note: Direct step channel] and [Note: Per-optimizer serial queue].
-        """
-
-        def work() -> None:
-            self.step(context_id, updates)
-            self.direct_steps += 1
-
-        self.submit(work).wait()
 
     def param_group_options(self) -> list[dict[str, Any]]:
         """Every local group's options (without ``params``), in local order."""
@@ -255,23 +174,15 @@ def _register(local: _LocalOptimizer) -> int:
         return _next_handle
 
 
-def _find(handle: int) -> _LocalOptimizer | None:
-    ref = _handles.get(handle)
-    return ref() if ref is not None else None
-
-
-def _unknown_handle(handle: int) -> str:
-    return (
-        f"no DistributedOptimizer with handle {handle} on {rpc.get_worker_info().name}: it "
-        "was freed (its trainer-side DistributedOptimizer is gone) or this worker restarted; "
-        "build a new DistributedOptimizer"
-    )
-
-
 def _lookup(handle: int) -> _LocalOptimizer:
-    found = _find(handle)
+    ref = _handles.get(handle)
+    found = ref() if ref is not None else None
     if found is None:
-        raise RuntimeError(_unknown_handle(handle))
+        raise RuntimeError(
+            f"no DistributedOptimizer with handle {handle} on {rpc.get_worker_info().name}: it "
+            "was freed (its trainer-side DistributedOptimizer is gone) or this worker restarted; "
+            "build a new DistributedOptimizer"
+        )
     return found
 
 
@@ -280,18 +191,41 @@ def _remote_new(
     groups: list[GroupSpec],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Any, int, list[dict[str, Any]], Endpoint | None, bytes | None]:
-    """Build the local optimizer; returns its RRef, handle, group options and, when the direct
-    step channel is on here, this process's step server endpoint and the optimizer's token."""
+) -> tuple[Any, int, list[dict[str, Any]], bool]:
+    """Build the local optimizer; returns its RRef, its handle, its group options and whether
+    this worker serves steps through the TorchScript entry point (see [Note: Step requests])."""
+    # Imported here, not at the top: `_script_step` imports this module.
+    from shardkit.rpc._script_step import script_step
+
     local = _LocalOptimizer(optimizer_class, groups, args, kwargs)
-    # See [Note: Direct step channel]; `serve` reads SHARDKIT_RPC_DIRECT_STEP.
-    endpoint = serve(_find, _unknown_handle)
-    token = local.token if endpoint is not None else None
-    return rpc.RRef(local), _register(local), local.param_group_options(), endpoint, token
+    return rpc.RRef(local), _register(local), local.param_group_options(), script_step is not None
+
+
+def step_and_wait(handle: int, context_id: int) -> str | None:
+    """One step without hyper-parameter changes, queued like every other operation, waited for on
+    the calling thread. The TorchScript step entry point runs this (see [Note: Step requests]).
+
+    Returns:
+        ``None`` once the step is applied, else the failure as text (``"Type: message"`` and the
+        owner's traceback), which the trainer reports as that owner's error.
+    """
+    try:
+        local = _lookup(handle)
+        local.run(lambda: local.step(context_id, None))
+    except Exception as err:
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return f"{type(err).__name__}: {err}\n\nOwner traceback:\n{text}"
+    return None
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
-def _remote_step(handle: int, context_id: int, updates: Updates | None) -> Future[None]:
+def _remote_step(handle: int, context_id: int) -> Future[None]:
+    local = _lookup(handle)
+    return local.submit(lambda: local.step(context_id, None))
+
+
+@rpc.functions.async_execution  # type: ignore[untyped-decorator]
+def _remote_step_with(handle: int, context_id: int, updates: Updates) -> Future[None]:
     local = _lookup(handle)
     return local.submit(lambda: local.step(context_id, updates))
 

@@ -5,20 +5,25 @@ never seen the given context. There is no public predicate for "this worker know
 so we recognise that error by its message.
 ``tests/test_distributed.py::test_unknown_context_on_owner_means_no_gradients`` pins it.
 
-The direct step channel (see [Note: Direct step channel]) also relies on ``get_gradients``
-working from a plain thread, not only from RPC threads (the context container is process-global;
-documented nowhere): ``tests/test_channel.py::test_get_gradients_from_a_non_rpc_thread`` pins it.
+``torch.autograd.profiler._is_profiler_enabled`` is the process-wide flag every torch profiler
+entry point (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, ``emit_nvtx``,
+``emit_itt``) sets while it runs; torch's own compiler reads it to skip its ranges when nobody
+profiles. There is no public equivalent. ``tests/test_single_process.py::
+test_profiling_flag_follows_the_profiler`` pins it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from shardkit.rpc._logging import log_once
 
-__all__ = ["context_gradients", "is_rref", "is_unknown_context_error"]
+__all__ = ["context_gradients", "is_rref", "is_unknown_context_error", "profiling"]
 
 # `torch.distributed.rpc.PyRRef` is the documented RRef class (`rpc.RRef` is only its typing
 # alias: `isinstance(rpc.remote(...), rpc.RRef)` is False), but torch's stubs do not re-export it.
@@ -58,3 +63,22 @@ def context_gradients(
         if missing_ok and is_unknown_context_error(err):
             return None
         raise
+
+
+def profiling() -> bool:
+    """Whether a torch profiler is running in this process (any thread).
+
+    See [Note: Profiler ranges]. Where torch no longer has the flag, ranges are always recorded
+    (logged once): the same traces, a few microseconds more per step.
+    """
+    flag = getattr(autograd_profiler, "_is_profiler_enabled", None)
+    if isinstance(flag, bool):
+        return flag
+    log_once(
+        "profiler-flag",
+        logging.INFO,
+        "shardkit.rpc: torch.autograd.profiler._is_profiler_enabled is gone in torch %s; "
+        "profiler ranges are recorded on every step, profiled or not",
+        torch.__version__,
+    )
+    return True
