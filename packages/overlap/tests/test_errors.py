@@ -204,3 +204,47 @@ def test_reduce_to_owner_errors() -> None:
     _train_step(ddp)
     overlap.step()
     overlap.close()
+
+
+@world(2, timeout=90)
+def test_one_rank_errors_raise_on_every_rank() -> None:
+    """A local registration error on one rank only is raised, the same, on every rank (through
+    one agreement collective), instead of leaving the other ranks waiting in the next collective
+    for the process group's timeout. See [Note: Registration agreement]."""
+    rank = dist.get_rank()
+    _, ddp, zero = _setup()
+    # A bad hook on rank 1 only: every rank raises rank 1's TypeError.
+    with pytest.raises(TypeError, match=r"failed on rank 1 of 2.*comm hook"):
+        hook_with_zero_step(42 if rank == 1 else allreduce_hook, ddp, zero)  # type: ignore[arg-type]
+    # An unsupported option on rank 0 only.
+    with pytest.raises(ValueError, match=r"failed on rank 0 of 2.*max_grad_norm must be positive"):
+        register_zero_overlap(ddp, zero, max_grad_norm=0.0 if rank == 0 else None)
+    # Another model's DDP on rank 1 only: its params are not the optimizer's.
+    ddp_other = DDP(_net())
+    with pytest.raises(ValueError, match=r"failed on rank 1 of 2.*not in the ShardedOptimizer"):
+        hook_with_zero_step(allreduce_hook, ddp_other if rank == 1 else ddp, zero)
+    # A hook already built on rank 1 only (rank 0 registers on a fresh pair).
+    _, ddp_a, zero_a = _setup()
+    first = register_zero_overlap(ddp_a, zero_a)
+    _, ddp_b, zero_b = _setup()
+    try:
+        with pytest.raises(RuntimeError, match=r"failed on rank 1 of 2.*already built"):
+            register_zero_overlap(ddp_b if rank == 0 else ddp_a, zero_b if rank == 0 else zero_a)
+    finally:
+        first.close()
+    # Hyper-parameters changed on one rank since construction.
+    zero.param_groups[0]["lr"] = 0.1 if rank == 0 else 0.2
+    with pytest.raises(
+        ValueError, match=r"hyper-parameters.*lr=0\.1 on rank 0 but lr=0\.2 on rank 1"
+    ):
+        register_zero_overlap(ddp, zero)
+    zero.param_groups[0]["lr"] = 0.1
+    # Nothing is left half-registered or out of step: a registration on every rank now works.
+    overlap = register_zero_overlap(ddp, zero)
+    _train_step(ddp)
+    overlap.step()
+    overlap.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    assert torch.equal(gathered[0], gathered[1])

@@ -7,6 +7,7 @@ from typing import Any
 from shardkit.optim import ShardedOptimizer
 from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._overlap import CommHook, ZeroOverlap
+from shardkit.overlap._validation import _agree_outcome
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -118,6 +119,11 @@ def register_zero_overlap(
             ``reduce_to_owner`` with a custom hook, a scaler or clipping).
         RuntimeError: a hook was already built for ``ddp`` or ``zero``, or DDP refuses a
             second comm hook.
+
+        Every error is raised on every rank of ``zero.group``, within one collective, whichever
+        rank found it (see [Note: Registration agreement]). If DDP refused the hook on some
+        ranks only, the others keep it registered but closed: it then only reduces, like the
+        hook it wraps, and ``zero.step()`` steps as without hooks.
     """
     overlap = ZeroOverlap(
         allreduce_hook if hook is None else hook,
@@ -129,8 +135,15 @@ def register_zero_overlap(
         grad_scaler=grad_scaler,
         max_grad_norm=max_grad_norm,
     )
+    error: Exception | None = None
     try:
         ddp.register_comm_hook(state, overlap)
+    except Exception as exc:
+        error = exc
+    try:
+        # See [Note: Registration agreement]: a rank whose DDP refuses the hook must not leave
+        # the others training with theirs.
+        _agree_outcome(error, overlap.zero.group, "ddp.register_comm_hook")
     except Exception:
         overlap.close()
         raise

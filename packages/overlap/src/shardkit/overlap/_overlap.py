@@ -13,12 +13,14 @@ from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._ownership import _apply_partition, _ddp_params, _planned_partition
 from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
 from shardkit.overlap._validation import (
-    _check_agreement,
+    _agree_registration,
+    _agreement_group,
     _check_groups,
     _check_params,
     _check_reduce_to_owner,
     _check_supported,
     _check_types,
+    _registration_signature,
 )
 from torch.nn.parallel import DistributedDataParallel
 
@@ -128,6 +130,24 @@ _INTERLEAVE_LAG = 2
 # read ``p.grad`` only, so any optimizer works and multiple param groups too.
 
 
+# [Note: Collective failures in the hooks]
+# When a rank dies (or a collective fails) in the middle of a backward, the survivors' pending
+# reductions and broadcasts complete with an error. Each such error must surface as that error,
+# from ``backward()``, and never as a torch internal assert: every wait in a hook is wrapped
+# (``_collective_failed`` names what failed and keeps the backend's message, e.g. Gloo's
+# "Connection reset by peer"), and the last bucket's future never reads a future that may not
+# have completed: ``collect_all`` completes early, with the first error, as soon as one of its
+# futures fails, so its callback must re-raise that error instead of reading the reduction's
+# value (which raised torch's "completed() INTERNAL ASSERT FAILED" here, hiding the cause).
+def _collective_failed(exc: BaseException, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"shardkit.overlap: {what} failed during backward: {type(exc).__name__}: {exc}\n"
+        f"A rank of the process group has most likely died or stopped (its log shows why). This "
+        f"rank's params and optimizer state may no longer match the other ranks': stop and "
+        f"restart from a checkpoint."
+    )
+
+
 class ZeroOverlap:
     """A DDP comm hook running a :class:`~shardkit.optim.ShardedOptimizer` step per bucket.
 
@@ -152,26 +172,39 @@ class ZeroOverlap:
         grad_scaler: Any = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        _check_types(hook, ddp, zero, config.shard_buckets)
-        if not isinstance(config.interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {config.interleaved!r}")
-        if zero in _BY_OPTIMIZER or ddp in _BY_DDP or zero._stepper is not None:
-            raise RuntimeError(
-                "an overlap hook is already built for this ShardedOptimizer or this DDP model: "
-                "DDP accepts one comm hook per model and the optimizer can be stepped by one "
-                "hook only. Build it once (call .close() on the old one if you really need to "
-                "replace it)."
+        # See [Note: Registration agreement]: local checks first, their error kept, then one
+        # all-ranks agreement step, so every rank raises the same error or none does.
+        group = _agreement_group(ddp, zero)
+        error: Exception | None = None
+        signature: tuple[Any, ...] | None = None
+        loop_step = False
+        try:
+            _check_types(hook, ddp, zero, config.shard_buckets)
+            if not isinstance(config.interleaved, bool):
+                raise TypeError(f"interleaved must be a bool, got {config.interleaved!r}")
+            if zero in _BY_OPTIMIZER or ddp in _BY_DDP or zero._stepper is not None:
+                raise RuntimeError(
+                    "an overlap hook is already built for this ShardedOptimizer or this DDP "
+                    "model: DDP accepts one comm hook per model and the optimizer can be stepped "
+                    "by one hook only. Build it once (call .close() on the old one if you really "
+                    "need to replace it)."
+                )
+            loop_step = _check_supported(zero, grad_scaler, max_grad_norm)
+            _check_reduce_to_owner(config.reduce_to_owner, hook, loop_step)
+            _check_groups(ddp, zero)
+            _check_params(_ddp_params(ddp), zero)
+            signature = _registration_signature(
+                zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step,
+                config.reduce_to_owner,
             )
-        loop_step = _check_supported(zero, grad_scaler, max_grad_norm)
-        _check_reduce_to_owner(config.reduce_to_owner, hook, loop_step)
-        _check_groups(ddp, zero)
-        named = _ddp_params(ddp)
-        _check_params(named, zero)
-        # Collective from here on: every rank checks the others agree, then repartitions.
-        _check_agreement(
-            zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step,
-            config.reduce_to_owner,
-        )
+        except Exception as exc:
+            if group is None:  # no process group to agree over: nothing can be waiting
+                raise
+            error = exc
+        if group is None:  # pragma: no cover (valid arguments always give a group)
+            raise RuntimeError("no process group to register the overlap over")
+        _agree_registration(error, zero if error is None else None, signature, group)
+        # Collective from here on: every rank agreed, now every rank repartitions.
         _apply_partition(zero, _planned_partition(ddp, zero, config.shard_buckets))
 
         self.config = config
@@ -288,7 +321,20 @@ class ZeroOverlap:
         if not works:
             return fut
         everything = torch.futures.collect_all([fut, *(w.get_future() for w in works)])
-        return everything.then(lambda _: fut.value())
+
+        def _finish(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> Any:
+            # See [Note: Collective failures in the hooks]: ``done`` may have completed early
+            # with an error while ``fut`` is still pending; never read ``fut`` then.
+            try:
+                done.value()
+            except Exception as exc:
+                raise _collective_failed(
+                    exc,
+                    f"a reduction or parameter broadcast in flight at the last bucket ({index})",
+                ) from exc
+            return fut.value()
+
+        return everything.then(_finish)
 
     # ------------------------------------------------------------------ internals
     def _start_iteration(self) -> None:
@@ -301,15 +347,21 @@ class ZeroOverlap:
 
     def _drain(self) -> None:
         """Finishes what a backward that stopped half-way (an exception) left in flight."""
-        for w in self._works:
-            w.wait()
-        self._works = []
+        works, self._works = self._works, []
         self._pending = []
         self._next_index = 0
+        for w in works:
+            try:
+                w.wait()
+            except Exception as exc:  # See [Note: Collective failures in the hooks].
+                raise _collective_failed(
+                    exc, "a parameter broadcast left over from an interrupted backward"
+                ) from exc
 
     def _reduce_to_owners(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Averages ``bucket`` onto the owners of its params. See [Note: Reduce to owner]."""
         buffer = bucket.buffer()
+        index = bucket.index()
         group = self.zero.group
         buffer.div_(self.zero.world_size)
         runs: list[list[int]] = []  # [owner, lo, hi] in buffer order
@@ -338,8 +390,13 @@ class ZeroOverlap:
         def _finish(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
             # Runs once every reduce of the bucket completed; only zeroes memory (value()
             # of a completed future re-raises its error, it does not wait).
-            for f in done.value():
-                f.value()
+            try:
+                for f in done.value():
+                    f.value()
+            except Exception as exc:  # See [Note: Collective failures in the hooks].
+                raise _collective_failed(
+                    exc, f"the reduction to the owners of bucket {index}"
+                ) from exc
             for lo, hi in foreign:
                 buffer[lo:hi].zero_()
             return buffer
@@ -351,7 +408,10 @@ class ZeroOverlap:
     ) -> None:
         owners = [self._owner[id(p)] for p in params]
         if self._rank in owners:
-            result = fut.wait()
+            try:
+                result = fut.wait()
+            except Exception as exc:  # See [Note: Collective failures in the hooks].
+                raise _collective_failed(exc, "a gradient reduction") from exc
             flat = result if isinstance(result, torch.Tensor) else result[0]
             # See [Note: Reduced gradients at hook time].
             saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer
+from shardkit.optim._agreement import _describe_difference, hyperparam_digest
+from shardkit.optim._state import _hyperparams
 from shardkit.partition import all_gather_objects
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -140,12 +142,12 @@ def _check_params(
         )
 
 
-def _check_agreement(
+def _registration_signature(
     zero: ShardedOptimizer, ddp: DistributedDataParallel, hook: Callable[..., Any],
-    interleaved: bool, shard_buckets: bool, loop_step: bool, reduce_to_owner: bool = False,
-) -> None:
-    """All ranks must register the same thing, or all raise (no hang later)."""
-    mine = (
+    interleaved: bool, shard_buckets: bool, loop_step: bool, reduce_to_owner: bool,
+) -> tuple[Any, ...]:
+    """What this rank registers; every rank must register the same."""
+    return (
         interleaved,
         shard_buckets,
         loop_step,
@@ -158,12 +160,94 @@ def _check_agreement(
             repr([(tuple(p.shape), str(p.dtype)) for p in zero._layout.params]).encode()
         ).hexdigest(),
     )
-    gathered = all_gather_objects(mine, zero.group)
-    if any(g != gathered[0] for g in gathered):
-        detail = ", ".join(f"rank {r}: {g!r}" for r, g in enumerate(gathered))
+
+
+# [Note: Registration agreement]
+# Registering the overlap is collective (this agreement, then the repartition), but most of its
+# checks are local: argument types, a hook already built on this rank, params or groups of
+# ``ddp`` and ``zero`` that differ, unsupported combinations. A rank raising alone would leave
+# the others waiting in the next collective until the process group's timeout (30 minutes by
+# default). So every local check runs first and its error is kept, then ONE all-gather carries
+# each rank's (error, what it registers, digest of the optimizer's hyper-parameters), and every
+# rank raises the same error: the first failing rank's (its exception type, its message, the
+# rank named), else a disagreement on what is registered, else on the hyper-parameters (lr,
+# betas, ... changed on one rank since construction). The collective runs over ``zero.group``
+# (``ddp.process_group`` if ``zero`` is not a ShardedOptimizer, the default group if neither
+# argument has the right type); with no default group either, the error is raised locally.
+# ``register_zero_overlap`` agrees once more, the same way, on the result of
+# ``ddp.register_comm_hook``.
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def _agreement_group(ddp: Any, zero: Any) -> dist.ProcessGroup | None:
+    """The group the registration agrees over. See [Note: Registration agreement]."""
+    if isinstance(zero, ShardedOptimizer):
+        return zero.group
+    if isinstance(ddp, DistributedDataParallel):
+        group: dist.ProcessGroup = ddp.process_group
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _error_info(error: Exception | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _raise_first_error(
+    infos: list[tuple[str, str] | None], error: Exception | None, what: str
+) -> None:
+    """Raises, on every rank, the error of the first rank that had one (if any)."""
+    failed = [(r, info) for r, info in enumerate(infos) if info is not None]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
+    raise _ERROR_TYPES.get(kind, RuntimeError)(
+        f"{what} failed on rank {rank} of {len(infos)}{also}, so it is refused on every "
+        f"rank: {kind}: {message}"
+    ) from error
+
+
+def _agree_registration(
+    error: Exception | None,
+    zero: ShardedOptimizer | None,
+    signature: tuple[Any, ...] | None,
+    group: dist.ProcessGroup,
+) -> None:
+    """The one agreement step of a registration. See [Note: Registration agreement].
+
+    Raises:
+        TypeError, ValueError, RuntimeError: some rank's local check failed (the type it
+            raised), ranks register different things, or their hyper-parameters differ.
+    """
+    digest = None
+    if error is None and zero is not None:
+        digest = hyperparam_digest(zero.param_groups)
+    gathered = all_gather_objects((_error_info(error), signature, digest), group)
+    _raise_first_error([g[0] for g in gathered], error, "the overlap registration")
+    if any(g[1] != gathered[0][1] for g in gathered):
+        detail = ", ".join(f"rank {r}: {g[1]!r}" for r, g in enumerate(gathered))
         raise ValueError(
             f"ranks disagree on the overlap registration (interleaved, shard_buckets, loop step "
             f"(scaler/clipping), reduce_to_owner, hook, "
             f"find_unused_parameters, static_graph, gradient_as_bucket_view, params hash): "
             f"{detail}. Every rank must register the same hook on the same model."
         )
+    if zero is not None and any(g[2] != gathered[0][2] for g in gathered):
+        groups = all_gather_objects([_hyperparams(g) for g in zero.param_groups], group)
+        raise ValueError(
+            f"ranks disagree on the optimizer's hyper-parameters at overlap registration: "
+            f"{_describe_difference(groups)}. Every rank must step with the same values; set "
+            f"them alike on every rank before registering."
+        )
+
+
+def _agree_outcome(error: Exception | None, group: dist.ProcessGroup, what: str) -> None:
+    """Raises on every rank if ``what`` failed on any (one all-gather)."""
+    _raise_first_error(all_gather_objects(_error_info(error), group), error, what)

@@ -14,13 +14,20 @@ import pytest
 from shardkit.testing._config import WorldSpec, default_timeout
 from shardkit.testing._world import JobReport, pool
 
-__all__ = ["free_port", "set_session_timeout", "world"]
+__all__ = ["free_port", "set_pytest_timeout", "set_session_timeout", "world"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _session_timeout: float | None = None
 _STARTUP_TIMEOUT_S = 180.0
 _RANK_ENV = "SHARDKIT_TESTING_RANK"
+
+_pytest_timeout: tuple[float, float] | None = None
+"""pytest-timeout's limit for the running test and the monotonic time it expires, if any."""
+
+_PYTEST_TIMEOUT_MARGIN_S = 4.0
+"""How long before pytest-timeout's deadline a @world test's own limit ends at most: enough for
+the ranks' stacks and the report. See [Note: pytest-timeout and worlds]."""
 
 
 def set_session_timeout(seconds: float | None) -> None:
@@ -29,6 +36,42 @@ def set_session_timeout(seconds: float | None) -> None:
     if seconds is not None and seconds <= 0:
         raise ValueError(f"--shardkit-timeout must be positive, got {seconds}")
     _session_timeout = seconds
+
+
+def set_pytest_timeout(seconds: float | None, deadline: float | None) -> None:
+    """Record pytest-timeout's limit for the test about to run (the plugin calls it).
+
+    [Note: pytest-timeout and worlds]
+    pytest-timeout (``--timeout``, the ``timeout`` ini value or marker, ``PYTEST_TIMEOUT``)
+    fails a test that runs too long by raising in the pytest process (``signal`` method) or by
+    ending it (``thread`` method). Two things follow for @world tests:
+
+    * Its limit is the default limit of a @world body (after an explicit ``timeout=`` and
+      ``--shardkit-timeout``), and whatever the limit, the body's own deadline is moved to end
+      ``min(4 s, limit / 4)`` before pytest-timeout's (which counts from the start of setup,
+      world start-up included): the harness then reports first, with every rank's stack.
+    * If pytest-timeout fires anyway (world start-up ate the budget, a very short limit), its
+      exception reaches ``World.run`` (or ``World.__init__``) while the ranks still run the
+      body; both kill the world's whole process tree before letting it through, so the next
+      test gets a fresh world instead of one whose ranks are still busy. With the ``thread``
+      method pytest itself exits and each world's reaper kills the tree (see [Note: Process
+      tree of a world] in ``_reaper.py``).
+    """
+    global _pytest_timeout
+    _pytest_timeout = None if seconds is None or deadline is None else (seconds, deadline)
+
+
+def _limit(timeout: float | None) -> tuple[float, float | None]:
+    """The body's limit in seconds and, under pytest-timeout, the deadline it must end by.
+
+    See [Note: pytest-timeout and worlds].
+    """
+    pytest_timeout = _pytest_timeout
+    if pytest_timeout is None:
+        return timeout or _session_timeout or default_timeout(), None
+    seconds, deadline = pytest_timeout
+    limit = timeout or _session_timeout or seconds
+    return limit, deadline - min(_PYTEST_TIMEOUT_MARGIN_S, seconds / 4)
 
 
 def free_port() -> int:
@@ -61,8 +104,11 @@ def world(
         world_size: Number of ranks (1 to 8).
         backend: ``"gloo"`` or ``"nccl"``; NCCL tests skip when fewer than ``world_size`` GPUs
             are visible.
-        timeout: Seconds the body may run; defaults to ``--shardkit-timeout``, then the
-            ``SHARDKIT_TEST_TIMEOUT`` environment variable, then 120.
+        timeout: Seconds the body may run; defaults to ``--shardkit-timeout``, then
+            pytest-timeout's limit for the test (``--timeout``, ini, marker), then the
+            ``SHARDKIT_TEST_TIMEOUT`` environment variable, then 120. Under pytest-timeout the
+            body's limit also ends a few seconds before pytest-timeout's, so the harness reports
+            the ranks' stacks first (see [Note: pytest-timeout and worlds]).
 
     Raises:
         TypeError / ValueError: for a bad world size, backend or timeout, or a test that is not a
@@ -106,9 +152,11 @@ def world(
                         f"{type(value).__name__} cannot be pickled to the rank processes "
                         f"({exc}); use a picklable fixture value (paths, numbers, strings)"
                     ) from None
-            limit = timeout or _session_timeout or default_timeout()
-            report = pool.run(spec, path, fn.__qualname__, kwargs, limit, _STARTUP_TIMEOUT_S)
-            _conclude(report, spec, limit)
+            limit, deadline = _limit(timeout)
+            report = pool.run(
+                spec, path, fn.__qualname__, kwargs, limit, _STARTUP_TIMEOUT_S, deadline=deadline
+            )
+            _conclude(report, spec)
 
         wrapper._shardkit_body = fn  # type: ignore[attr-defined]
         wrapper._shardkit_world = spec  # type: ignore[attr-defined]
@@ -121,7 +169,7 @@ def world(
     return decorate
 
 
-def _conclude(report: JobReport, spec: WorldSpec, limit: float) -> None:
+def _conclude(report: JobReport, spec: WorldSpec) -> None:
     """Turn a report into pass, skip or a failure message naming ranks."""
     if report.ok:
         if report.skipped:
@@ -130,9 +178,11 @@ def _conclude(report: JobReport, spec: WorldSpec, limit: float) -> None:
         return
     lines: list[str] = []
     if report.timed_out:
+        cut = " (cut to end before pytest-timeout's limit)" if report.cut_short else ""
         lines.append(
-            f"timed out after {limit:.0f}s on {spec.backend} world of {spec.world_size}: ranks "
-            f"{list(report.still_running)} still running; their Python stacks follow"
+            f"timed out after {report.timeout_s:.0f}s{cut} on {spec.backend} world of "
+            f"{spec.world_size}: ranks {list(report.still_running)} still running; their Python "
+            f"stacks follow"
         )
     for rank, tb in report.failed.items():
         lines.append(f"rank {rank} of {spec.world_size} raised:\n{tb}")

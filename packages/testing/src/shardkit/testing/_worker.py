@@ -1,8 +1,8 @@
 """Entry point of a rank process: ``python -m shardkit.testing._worker``.
 
-A rank connects back to the pytest process, initialises the default process group through a
-:class:`torch.distributed.FileStore` in a directory owned by its world, then runs test bodies
-until told to stop.
+A rank is started by its world's reaper (``_reaper.py``), connects back to the pytest process,
+initialises the default process group through a :class:`torch.distributed.FileStore` in a
+directory owned by its world, then runs test bodies until told to stop.
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ _modules: dict[str, ModuleType] = {}
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when the pytest process goes away so no rank outlives its session.
+    """Exit when the world's reaper goes away, where the kernel would not kill this rank.
 
-    [Note: No orphan ranks]
-    A rank may be blocked inside a collective when the pytest process dies (killed, crashed,
-    interrupted). This daemon thread notices that the parent is gone and hard-exits the rank,
-    so no rank process outlives its session. The pytest side also kills each world's process
-    group (``start_new_session=True``) on teardown and at interpreter exit.
+    The reaper starts every rank with ``PR_SET_PDEATHSIG`` (``SIGKILL``), which works even while
+    the rank holds the GIL; this daemon thread is the fallback on platforms without prctl. See
+    [Note: Process tree of a world] in ``_reaper.py``.
     """
     while True:
         time.sleep(0.5)

@@ -1,13 +1,16 @@
 """Worlds of rank processes, kept alive between tests and torn down on failure.
 
 [Note: World lifecycle]
-A world is ``world_size`` processes started with ``python -m shardkit.testing._worker``, each in
-its own session (so the whole process tree can be killed), each connected back to the pytest
-process over an authenticated local socket. Rendezvous uses a ``FileStore`` in a fresh temporary
-directory owned by the world, so concurrent tests and concurrent pytest sessions never collide
-on a port. A world serves tests one at a time; after a test in which every rank passed and the
+A world is ``world_size`` processes started with ``python -m shardkit.testing._worker`` by the
+world's reaper, in one session of their own (see [Note: Process tree of a world] in
+``_reaper.py``), each connected back to the pytest process over an authenticated local socket.
+Rendezvous uses a ``FileStore`` in a fresh temporary directory owned by the world, so concurrent
+tests and concurrent pytest sessions never collide on a port. A world serves tests one at a time; after a test in which every rank passed and the
 default group is still initialised, it is kept for the next test with the same spec. Any failure,
-timeout or dead rank discards it: its ranks are killed and the next test starts a fresh world.
+timeout or dead rank discards it: its whole process tree is killed (ranks and anything they
+started) and the next test starts a fresh world. So does an exception in the pytest process while
+it waits for the ranks (``KeyboardInterrupt``), the end of the session, and the death of the
+pytest process itself (the reaper notices).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import pickle
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +31,7 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from shardkit.testing._config import WorldSpec
 from shardkit.testing._protocol import JobResult, Ready, RunJob, Shutdown
+from shardkit.testing._supervisor import RankCommand, RankProcess, Reaper
 
 __all__ = ["JobReport", "World", "WorldPool", "WorldStartError", "pool"]
 
@@ -37,6 +40,9 @@ _STACK_GRACE_S = 1.5
 
 _FAILURE_GRACE_S = 3.0
 """After one rank fails, how long the others get to finish (or fail) on their own."""
+
+_MIN_LIMIT_S = 0.5
+"""Smallest limit a body gets when a deadline leaves less (it then times out at once)."""
 
 _LOG_TAIL_CHARS = 6000
 """How much of each rank's output a failure report shows."""
@@ -68,6 +74,12 @@ class JobReport:
     logs: dict[int, str] = field(default_factory=dict)
     """Per rank: output written during the test (tail), stacks included after a timeout."""
 
+    timeout_s: float = 0.0
+    """The limit the body ran under."""
+
+    cut_short: bool = False
+    """True when that limit was cut to end before pytest-timeout's deadline."""
+
     @property
     def failed(self) -> dict[int, str]:
         """Ranks that raised, with their tracebacks."""
@@ -90,7 +102,8 @@ class World:
     def __init__(self, spec: WorldSpec, startup_timeout: float) -> None:
         self.spec = spec
         self._dir = tempfile.mkdtemp(prefix=f"shardkit-world{spec.world_size}-")
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._reaper: Reaper | None = None
+        self._procs: dict[int, RankProcess] = {}
         self._conns: dict[int, Connection] = {}
         self._log_paths = {r: os.path.join(self._dir, f"rank{r}.log") for r in range(spec.world_size)}
         self._next_job = 0
@@ -114,25 +127,24 @@ class World:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         store = os.path.join(self._dir, "store")
+        # See [Note: Process tree of a world] in _reaper.py.
+        self._reaper = Reaper(env, os.path.join(self._dir, "reaper.log"))
+        commands = []
         for rank in range(self.spec.world_size):
-            env["SHARDKIT_TESTING_RANK"] = str(rank)
-            with open(self._log_paths[rank], "wb") as log:
-                self._procs[rank] = subprocess.Popen(
-                    [
-                        sys.executable, "-m", "shardkit.testing._worker",
-                        "--address", f"{host}:{port}",
-                        "--rank", str(rank),
-                        "--world-size", str(self.spec.world_size),
-                        "--backend", self.spec.backend,
-                        "--store", store,
-                        "--parent", str(os.getpid()),
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,  # See [Note: No orphan ranks] in _worker.py
-                )
+            open(self._log_paths[rank], "wb").close()
+            argv = [
+                sys.executable, "-m", "shardkit.testing._worker",
+                "--address", f"{host}:{port}",
+                "--rank", str(rank),
+                "--world-size", str(self.spec.world_size),
+                "--backend", self.spec.backend,
+                "--store", store,
+                "--parent", str(self._reaper.pid),
+            ]  # fmt: skip
+            commands.append(
+                RankCommand(argv, {"SHARDKIT_TESTING_RANK": str(rank)}, self._log_paths[rank])
+            )
+        self._procs = self._reaper.start(commands)
         accepted: list[Connection] = []
         errors: list[BaseException] = []
 
@@ -148,8 +160,7 @@ class World:
         deadline = time.monotonic() + startup_timeout
         while acceptor.is_alive() and time.monotonic() < deadline:
             acceptor.join(0.2)
-            dead = {r: p.returncode for r, p in self._procs.items() if p.poll() is not None}
-            if dead:
+            if any(p.exited for p in self._procs.values()):
                 break
         listener.close()
         acceptor.join(1.0)
@@ -189,7 +200,17 @@ class World:
 
     def run(self, path: str, qualname: str, kwargs_blob: bytes, timeout: float) -> JobReport:
         """Run one test body on every rank and collect the outcome (never raises for test
-        failures: they are in the report). Discards the world on anything but a clean pass."""
+        failures: they are in the report). Discards the world on anything but a clean pass.
+
+        An exception while waiting (``KeyboardInterrupt``) kills the world before propagating.
+        """
+        try:
+            return self._run(path, qualname, kwargs_blob, timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _run(self, path: str, qualname: str, kwargs_blob: bytes, timeout: float) -> JobReport:
         self._next_job += 1
         job = RunJob(self._next_job, path, qualname, kwargs_blob, tuple(sys.path))
         offsets = {r: os.path.getsize(p) for r, p in self._log_paths.items()}
@@ -199,7 +220,7 @@ class World:
             try:
                 conn.send(job)
             except OSError:
-                report.died[rank] = self._procs[rank].poll()
+                report.died[rank] = self._procs[rank].returncode
         pending = {r: c for r, c in self._conns.items() if r not in report.died}
         deadline = start + timeout
         failure_at: float | None = None
@@ -216,8 +237,7 @@ class World:
                     result = conn.recv()
                 except (EOFError, OSError):
                     proc = self._procs[rank]
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(1.0)
+                    proc.wait(1.0)
                     report.died[rank] = proc.returncode
                     del pending[rank]
                     failure_at = failure_at or time.monotonic()
@@ -241,7 +261,7 @@ class World:
     def _dump_stacks(self, ranks: dict[int, Connection]) -> None:
         for rank in ranks:
             proc = self._procs[rank]
-            if proc.poll() is None:
+            if not proc.exited and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(_STACK_GRACE_S)
@@ -249,27 +269,26 @@ class World:
     # -- teardown ---------------------------------------------------------------------------
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask every rank to leave cleanly, then kill whatever is left."""
-        if self.alive:
-            for conn in self._conns.values():
-                with contextlib.suppress(OSError):
-                    conn.send(Shutdown())
-            deadline = time.monotonic() + timeout
-            for proc in self._procs.values():
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-        self.kill()
+        """Ask every rank to leave cleanly, then kill the world's whole process tree."""
+        try:
+            if self.alive:
+                for conn in self._conns.values():
+                    with contextlib.suppress(OSError):
+                        conn.send(Shutdown())
+                deadline = time.monotonic() + timeout
+                for proc in self._procs.values():
+                    proc.wait(deadline - time.monotonic())
+        finally:
+            self.kill()
 
     def kill(self) -> None:
-        """Kill every rank's whole process group and remove the world's directory."""
+        """Kill the world's whole process tree: ranks, their children and the reaper. Idempotent.
+
+        See [Note: Process tree of a world] in ``_reaper.py``.
+        """
         self.alive = False
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self._procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
+        if self._reaper is not None:
+            self._reaper.kill()
         for conn in self._conns.values():
             with contextlib.suppress(OSError):
                 conn.close()
@@ -281,8 +300,13 @@ class World:
 
     @property
     def pids(self) -> dict[int, int]:
-        """Process id of each rank."""
-        return {r: p.pid for r, p in self._procs.items()}
+        """Process id of each started rank."""
+        return {r: p.pid for r, p in self._procs.items() if p.pid is not None}
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """Process id of the world's reaper (also its session and process group id)."""
+        return None if self._reaper is None else self._reaper.pid
 
     # -- logs -------------------------------------------------------------------------------
 
@@ -301,10 +325,13 @@ class World:
         return "\n".join(f"--- rank {r} output ---\n{self._tail(r, 0)}" for r in self._log_paths)
 
     def _describe_dead(self) -> str:
-        dead = {r: p.poll() for r, p in self._procs.items() if p.poll() is not None}
-        if not dead:
-            return ""
-        return " (exited: " + ", ".join(f"rank {r} code {c}" for r, c in dead.items()) + ")"
+        dead = {r: p.returncode for r, p in self._procs.items() if p.exited}
+        text = ""
+        if dead:
+            text = " (exited: " + ", ".join(f"rank {r} code {c}" for r, c in dead.items()) + ")"
+        if self._reaper is not None and self._reaper.errors:
+            text += "\nreaper: " + "\n".join(self._reaper.errors)
+        return text
 
 
 class WorldPool:
@@ -328,11 +355,21 @@ class WorldPool:
         return world
 
     def run(self, spec: WorldSpec, path: str, qualname: str, kwargs: dict[str, object],
-            timeout: float, startup_timeout: float) -> JobReport:
-        """Run a test body on the world for ``spec``."""
+            timeout: float, startup_timeout: float, deadline: float | None = None) -> JobReport:
+        """Run a test body on the world for ``spec``, for at most ``timeout`` seconds and, if
+        ``deadline`` (a ``time.monotonic()`` value) is given, not past it (at least a moment).
+
+        See [Note: pytest-timeout and worlds] in ``_decorator.py``.
+        """
         blob = pickle.dumps(kwargs)
         world = self.get(spec, startup_timeout)
-        return world.run(path, qualname, blob, timeout)
+        limit = timeout
+        if deadline is not None:
+            limit = min(timeout, max(deadline - time.monotonic(), _MIN_LIMIT_S))
+        report = world.run(path, qualname, blob, limit)
+        report.timeout_s = limit
+        report.cut_short = limit < timeout
+        return report
 
     def close_all(self) -> None:
         """Shut every world down (session end)."""
