@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 
@@ -16,6 +17,9 @@ from shardkit.buckets._validation import (
 )
 
 __all__ = ["GradBucket"]
+
+logger = logging.getLogger("shardkit.buckets")
+_logged_copied_grads = False
 
 
 def _allowed_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
@@ -322,7 +326,9 @@ class GradBucket(_FlatBucket):
         ``self._buffer`` (same buffer, or a copy of it made by ``to()``); ``None`` grads get a
         zeroed slot; any other grad is copied in. See [Note: Grad views and autograd].
         """
+        global _logged_copied_grads
         buffer = self._buffer
+        copied = []
         for idx, param in enumerate(self._params):
             grad = param.grad
             offset = self._offsets[idx]
@@ -335,7 +341,17 @@ class GradBucket(_FlatBucket):
                 view.zero_()
             else:
                 self._copy_into(view, param, self._names[idx], "GradBucket.reattach")
+                copied.append(self._label(idx))
             param.grad = view
+        if copied and not _logged_copied_grads:
+            _logged_copied_grads = True
+            logger.info(
+                "GradBucket: %d grad(s) were not views of the bucket (replaced since they were "
+                "attached, e.g. by assigning p.grad) and were copied back into it: %s (logged "
+                "once; each such grad costs a copy and twice its memory until then)",
+                len(copied),
+                ", ".join(copied[:5]) + (" ..." if len(copied) > 5 else ""),
+            )
 
     @staticmethod
     def _check_param_matches(

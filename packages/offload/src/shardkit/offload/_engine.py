@@ -12,6 +12,7 @@ from shardkit.offload._storage import _SliceStore
 from shardkit.offload._streams import _Streams
 from torch import nn
 from torch.func import functional_call
+from torch.profiler import record_function
 
 __all__: list[str] = []
 
@@ -118,11 +119,13 @@ class _Engine:
             if store.resident and j != self._current and j != i:
                 self._evict(j)
         self._log("load", i)
-        self.stores[i].load(self.streams)
+        with record_function("shardkit.offload.load"):  # See [Note: Offload profiler ranges]
+            self.stores[i].load(self.streams)
 
     def _evict(self, i: int) -> None:
         self._log("evict", i)
-        self.stores[i].evict(self.streams)
+        with record_function("shardkit.offload.evict"):
+            self.stores[i].evict(self.streams)
 
     def acquire(self, i: int) -> None:
         """Make slice ``i`` the computing slice; see [Note: Prefetch and residency]."""
@@ -157,10 +160,13 @@ class _Engine:
         self._log("compute", i)
         arg = _from_boundary(x, kind)
         tensors = self.stores[i].call_tensors(recompute)
-        if tensors is None:
-            out = self.slices[i](arg)
-        else:
-            out = functional_call(self.slices[i], tensors, (arg,))
+        with record_function(
+            "shardkit.offload.recompute" if recompute else "shardkit.offload.compute"
+        ):
+            if tensors is None:
+                out = self.slices[i](arg)
+            else:
+                out = functional_call(self.slices[i], tensors, (arg,))
         return _as_boundary(out, f"the output of slice {i}")
 
     def save_boundary(self, i: int, x: Boundary) -> Boundary:
@@ -202,8 +208,18 @@ class _Engine:
 
     # ---------------------------------------------------------------- loops
 
+    # [Note: Offload profiler ranges]
+    # ``torch.profiler.record_function`` ranges name the phases in a profiler trace:
+    # ``shardkit.offload.forward`` / ``shardkit.offload.backward`` around the loops,
+    # ``shardkit.offload.load`` / ``shardkit.offload.evict`` around a slice's transfers (their
+    # launch, on CUDA: the copies run on the h2d/d2h streams), ``shardkit.offload.compute`` and
+    # ``shardkit.offload.recompute`` around a slice's forward (first run / checkpoint replay).
     def forward(self, inputs: Boundary, kind: str, run: _RunState | None) -> tuple[Boundary, str]:
         """The forward loop; ``run`` is where state for backward goes (``None``: no backward)."""
+        with record_function("shardkit.offload.forward"):
+            return self._forward(inputs, kind, run)
+
+    def _forward(self, inputs: Boundary, kind: str, run: _RunState | None) -> tuple[Boundary, str]:
         num_slices = len(self.slices)
         mbs = _split(inputs, self.num_microbatches)
         self.release_all()
@@ -253,6 +269,12 @@ class _Engine:
         self, run: _RunState, grads: Sequence[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """The backward loop: returns (input gradients, host parameter gradients)."""
+        with record_function("shardkit.offload.backward"):
+            return self._backward(run, grads)
+
+    def _backward(
+        self, run: _RunState, grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         num_slices = len(self.slices)
         grad_mbs: list[list[torch.Tensor | None]] = _split_grads(grads, self.num_microbatches)
         host_grads: list[list[torch.Tensor | None]] = [[] for _ in range(num_slices)]

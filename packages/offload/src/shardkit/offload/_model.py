@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ from torch import nn
 _CPU = torch.device("cpu")
 
 __all__ = ["OffloadModel"]
+
+logger = logging.getLogger("shardkit.offload")
+_logged_in_place = False
 
 
 class OffloadModel(nn.Module):
@@ -76,6 +80,16 @@ class OffloadModel(nn.Module):
         self.module = model if isinstance(model, nn.Module) else nn.ModuleList(list(model))
         _check_no_sharing(slices)
         staged = config.stage_on_same_device or config.device != config.offload_device
+        if not staged:
+            global _logged_in_place
+            if not _logged_in_place:
+                _logged_in_place = True
+                logger.info(
+                    "OffloadModel: device and offload_device are both %s: the slices run in "
+                    "place, with no staging copies (nothing is offloaded; pass "
+                    "stage_on_same_device=True to exercise the transfer path)",
+                    config.device,
+                )
         self._engine = _Engine(
             slices,
             config.device,

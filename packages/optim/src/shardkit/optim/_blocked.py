@@ -12,6 +12,7 @@ instead of 46 ms. The update is bit-for-bit the one of the unblocked call (see
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -22,6 +23,8 @@ from shardkit.optim._torch_compat import _has_step_hooks
 from torch.optim import Optimizer
 
 __all__: list[str] = []
+
+logger = logging.getLogger("shardkit.optim")
 
 # [Note: Cache-blocked step]
 # Blocking is exact only for optimizers whose update of an element depends on nothing but that
@@ -253,7 +256,10 @@ class _BlockedStepper:
         group_of = sorted(shadow_groups)
         # Allow-listed classes take (params, **defaults); their defaults fill in nothing here.
         shadow: Optimizer = cast(Any, type(optim))(
-            [{**_hyperparams(optim.param_groups[gi]), "params": shadow_groups[gi]} for gi in group_of]
+            [
+                {**_hyperparams(optim.param_groups[gi]), "params": shadow_groups[gi]}
+                for gi in group_of
+            ]
         )
         shadow.state.update(shadow_state)
         plan = _Plan(key=key, shadow=shadow, entries=entries, group_of=group_of)
@@ -285,10 +291,14 @@ class _BlockedStepper:
                     cast(torch.Tensor, vals[0]).numel() == slices[0][0].numel()
                 ):
                     # A new element-wise entry (e.g. SGD's momentum buffer once momentum is on).
-                    st[k] = torch.cat([cast(torch.Tensor, v).reshape(-1) for v in vals]).view(p.shape)
+                    st[k] = torch.cat([cast(torch.Tensor, v).reshape(-1) for v in vals]).view(
+                        p.shape
+                    )
                     replan = True
-                elif isinstance(cur, torch.Tensor) and isinstance(vals[0], torch.Tensor) and (
-                    cur.shape == vals[0].shape
+                elif (
+                    isinstance(cur, torch.Tensor)
+                    and isinstance(vals[0], torch.Tensor)
+                    and (cur.shape == vals[0].shape)
                 ):
                     cur.copy_(vals[0])
                 else:
@@ -305,9 +315,20 @@ def _probe(cls: type[Optimizer], group: dict[str, Any], dtype: torch.dtype) -> b
         return found
     try:
         ok = _run_probe(cls, _hyperparams(group), dtype)
-    except Exception:
+        reason = "blocked and whole-param steps differ"
+    except Exception as e:
         ok = False
+        reason = f"the probe raised {type(e).__name__}: {e}"
     _PROBE_RESULTS[key] = ok
+    if not ok:  # logged once per configuration: the result is cached
+        logger.warning(
+            "cache-blocked step turned off for %s (%s params, options %s): %s; stepping whole "
+            "params instead (same result, slower on CPU). See [Note: Cache-blocked step].",
+            cls.__name__,
+            dtype,
+            dict(_hyperparams(group)),
+            reason,
+        )
     return ok
 
 

@@ -87,14 +87,22 @@ class ZeroRedundancyOptimizer(ShardedOptimizer, Joinable):
             self._last_consolidated = ShardedOptimizer.state_dict(self)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """The last state consolidated onto this rank, as torch's returns it: it may be older
-        than the last step (consolidate again for the current one).
+        """The last state consolidated onto this rank, as torch's returns it: after
+        ``consolidate_state_dict(to=r)`` it may be older than the last step (consolidate again
+        for the current one).
+
+        Unlike torch's, in a program that never consolidates explicitly it is a collective that
+        consolidates onto every rank, so ``torch.distributed.checkpoint.state_dict`` works with
+        it: see [Note: Implicit consolidation].
 
         Raises:
             RuntimeError: nothing was consolidated onto this rank.
         """
         if all_ranks:
             self.consolidate_state_dict(to=-1)
+        elif self._needs_implicit_consolidation():
+            self._consolidate_implicitly()
+            self._last_consolidated = ShardedOptimizer.state_dict(self)
         if self._last_consolidated is None:
             raise RuntimeError(
                 "Optimizer state has not been consolidated on this rank. Please call "
@@ -103,6 +111,11 @@ class ZeroRedundancyOptimizer(ShardedOptimizer, Joinable):
             )
         sd = self._last_consolidated
         return {**sd, "state": {i: dict(st) for i, st in sd["state"].items()}}
+
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every param in group order (torch's attribute, read by join hooks written for it)."""
+        return [p for g in self.param_groups for p in g["params"]]
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that shadows this optimizer's step for ``torch.distributed.algorithms.Join``."""

@@ -5,6 +5,7 @@ See [Note: Global parameter index].
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,15 @@ def _owned_state(
     return out
 
 
+# [Note: Saved param ids]
+# A plain torch optimizer state dict names its params in ``param_groups[*]["params"]`` and keys
+# ``state`` by those names; ``Optimizer.load_state_dict`` matches them to its own params by
+# position (param groups flattened), whatever the names are. ShardedOptimizer writes the global
+# indices 0..n-1; torch.distributed.checkpoint.state_dict rewrites them into fully qualified
+# param names before saving and hands those back to ``load_state_dict``. Both load the same way:
+# a name's position in the flattened saved groups is the global index of the param it belongs to.
+
+
 def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Raises if ``state_dict`` is not a plain torch optimizer dict for these param groups."""
     if not isinstance(state_dict, Mapping):
@@ -76,22 +86,35 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
         )
     expected = list(range(sum(lens)))
     flat = [i for g in saved_groups for i in g["params"]]
-    if sorted(flat) != expected:
+    # See [Note: Saved param ids]: ints 0..n-1, or unique names (torch.distributed.checkpoint).
+    named = not all(isinstance(i, int) for i in flat)
+    if named:
+        if not all(isinstance(i, str) for i in flat) or len(set(flat)) != len(flat):
+            raise ValueError(
+                f"state dict param ids must be the ints 0..{len(expected) - 1} or unique names "
+                f"(fully qualified param names, as torch.distributed.checkpoint.state_dict "
+                f"writes them), in param-group order; got {flat[:10]}"
+                f"{'...' if len(flat) > 10 else ''}"
+            )
+    elif sorted(flat) != expected:
         raise ValueError(
             f"state dict param indices must be 0..{len(expected) - 1} in param-group order, got "
             f"{flat[:10]}{'...' if len(flat) > 10 else ''}"
         )
+    position = {key: pos for pos, key in enumerate(flat)}
     params = [p for g in param_groups for p in g["params"]]
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
     for key, entry in state.items():
-        if not isinstance(key, int) or not 0 <= key < len(params):
+        if isinstance(key, bool) or key not in position or named != isinstance(key, str):
             raise ValueError(
                 f"state dict has a state entry for param {key!r} ({type(key).__name__}); expected "
-                f"int indices in [0, {len(params)}). It was saved for a different model."
+                f"one of the param ids of its param_groups ("
+                f"{'names' if named else f'int indices in [0, {len(params)})'}). It was saved "
+                f"for a different model."
             )
-        p = params[key]
+        p = params[position[key]]
         for name, value in dict(entry).items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
@@ -150,3 +173,38 @@ def _local_load_dict(
             j += 1
         local_groups.append({**_hyperparams(saved_groups[gi]), "params": ids})
     return {"state": local_state, "param_groups": local_groups}
+
+
+# [Note: State truthiness]
+# ``opt.state`` is the wrapped optimizer's state: only the params this rank owns. Code written
+# for plain optimizers tests it for emptiness to decide whether to run a step first, the same
+# on every rank: torch.distributed.checkpoint.state_dict runs a zero-gradient, zero-lr
+# ``step()`` when ``not optimizer.state``, to create the state it is about to save or load into.
+# A rank owning no stateful param (a frozen or a stateless shard) would take that collective
+# step alone and hang. So the state mapping's truth value is one flag every rank agrees on
+# without communication: whether this optimizer has stepped or loaded state (both collective)
+# since it was built, not whether this rank's own shard is empty.
+class _StateFlag:
+    """Whether the optimizer has stepped or loaded state; the same on every rank."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+class _ShardState(defaultdict[torch.Tensor, Any]):
+    """The wrapped optimizer's state; truthy iff ``flag`` is set. See [Note: State truthiness]."""
+
+    flag: _StateFlag | None = None
+
+    def __bool__(self) -> bool:
+        return self.flag.value if self.flag is not None else len(self) > 0
+
+
+def _install_state(optim: Any, flag: _StateFlag) -> _ShardState:
+    """Replaces ``optim.state`` (a plain dict after its ``load_state_dict``) by a ``_ShardState``."""
+    state = optim.state
+    if not isinstance(state, _ShardState) or state.flag is not flag:
+        state = _ShardState(dict, state)
+        state.flag = flag
+        optim.state = state
+    return state

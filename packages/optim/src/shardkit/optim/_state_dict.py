@@ -9,13 +9,16 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._agreement import _wait
 from shardkit.optim._blocked import _BlockedStepper
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._cow import _CopyOnWrite
+from shardkit.optim._dist import _comm_device
 from shardkit.optim._layout import _Layout
 from shardkit.optim._master import (
     _WIRE_KEY,
@@ -24,14 +27,22 @@ from shardkit.optim._master import (
     check_master_values,
     split_wire,
 )
-from shardkit.optim._state import _hyperparams, _local_load_dict, _validate_plain_state_dict
+from shardkit.optim._state import (
+    _hyperparams,
+    _install_state,
+    _local_load_dict,
+    _StateFlag,
+    _validate_plain_state_dict,
+)
 from torch import nn
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 __all__: list[str] = []
 
 logger = logging.getLogger("shardkit.optim")
 _warned_ignored_masters = False
+_logged_implicit = False
 
 
 class _StateDictMixin:
@@ -40,6 +51,7 @@ class _StateDictMixin:
     # Provided by ShardedOptimizer.
     optim: Optimizer
     param_groups: list[dict[str, Any]]
+    state: Any
     group: dist.ProcessGroup
     rank: int
     world_size: int
@@ -49,7 +61,10 @@ class _StateDictMixin:
     _cow: _CopyOnWrite
     _blocked: _BlockedStepper | None
     _consolidated: tuple[int, dict[str, Any]] | None
+    _last_consolidation: tuple[int, int, bool] | None
+    _state_flag: _StateFlag
     _state_version: int
+    _timeout: timedelta | None
 
     def _opt_tensor(self, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -138,15 +153,17 @@ class _StateDictMixin:
             }
             keys = [self._opt_tensor(p) for p in self._layout.params]
             alias = self._cow.record(state_only, skipped, keys)
-        full = _consolidate(
-            local,
-            self.group,
-            self.rank,
-            recipient_rank if error is None else 0,
-            skipped,
-            error=error,
-            alias=alias,
-        )
+        with record_function("shardkit.optim.consolidate"):  # See [Note: Profiler ranges]
+            full = _consolidate(
+                local,
+                self.group,
+                self.rank,
+                recipient_rank if error is None else 0,
+                skipped,
+                error=error,
+                alias=alias,
+            )
+        self._last_consolidation = (self._state_version, recipient_rank, False)
         if full is None:
             self._consolidated = None
             return
@@ -162,6 +179,50 @@ class _StateDictMixin:
             self._consolidated = None  # about to go stale: drop our references to the aliases
             self._cow.resolve(self.optim.state)
 
+    # [Note: Implicit consolidation]
+    # Two ways to get the full state, told apart by the history of consolidations, which every
+    # rank shares (consolidating is collective), so every rank takes the same branch:
+    # - explicit (fairscale's and torch's pattern): ``consolidate_state_dict(recipient_rank=r)``
+    #   (or ``state_dict(all_ranks=True)``) on every rank, then ``state_dict()`` on rank r alone.
+    #   Once the program has consolidated explicitly, ``state_dict()`` never communicates: it
+    #   returns the copy while it is current and raises on a rank that has none, or once the
+    #   optimizer stepped or loaded since (as before implicit consolidation existed).
+    # - implicit (what torch.distributed.checkpoint.state_dict and Accelerate do): every rank
+    #   calls ``state_dict()`` and nobody consolidates. When the program never consolidated
+    #   explicitly (or its last consolidation was an implicit one, now stale), ``state_dict()``
+    #   consolidates onto every rank first: a collective, so every rank must call it. It first
+    #   waits for every rank in one all-reduce under ``collective_timeout``, so a rank calling it
+    #   alone raises after that timeout instead of hanging. The full state is then held on every
+    #   rank until the next step or load (for a checkpoint at the memory of one shard per rank,
+    #   use ``save_sharded``). A program that mixes both calls
+    #   ``consolidate_state_dict(recipient_rank=-1)`` on every rank before the implicit use.
+    def _needs_implicit_consolidation(self) -> bool:
+        if self._consolidated is not None and self._consolidated[0] == self._state_version:
+            return False
+        return self._last_consolidation is None or self._last_consolidation[2]
+
+    def _consolidate_implicitly(self) -> None:
+        """Consolidates onto every rank. See [Note: Implicit consolidation]. Collective."""
+        global _logged_implicit
+        if not _logged_implicit:
+            _logged_implicit = True
+            logger.info(
+                "state_dict() with no consolidate_state_dict() since the last step: consolidating "
+                "the full optimizer state onto every rank (a collective: every rank calls "
+                "state_dict(), as torch.distributed.checkpoint.state_dict does)"
+            )
+        ready = torch.zeros(1, dtype=torch.int64, device=_comm_device(self.group))
+        work = dist.all_reduce(ready, group=self.group, async_op=True)
+        _wait(
+            work,
+            self._timeout,
+            "ShardedOptimizer.state_dict() with no prior consolidate_state_dict() (a collective: "
+            "call it on every rank, or consolidate_state_dict(recipient_rank=r) on every rank "
+            "and state_dict() on rank r)",
+        )
+        _StateDictMixin.consolidate_state_dict(self, recipient_rank=-1)
+        self._last_consolidation = (self._state_version, -1, True)
+
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The consolidated state in plain torch format (loads into ``optim`` unsharded).
 
@@ -169,20 +230,31 @@ class _StateDictMixin:
         value} (``master_dtype``, on the CPU), beside the plain ``"state"`` (the state of the
         masters) and ``"param_groups"``; plain torch optimizers ignore the extra key.
 
+        After ``consolidate_state_dict(recipient_rank=r)`` on every rank, call it on rank ``r``
+        alone (no communication). In a program that never consolidates explicitly, it is a
+        collective that consolidates onto every rank first, so
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` and Accelerate work: see
+        [Note: Implicit consolidation].
+
         Args:
             all_ranks: consolidate on every rank first (collective) and return it everywhere.
 
         Raises:
-            RuntimeError: the state was not consolidated on this rank, or the optimizer
-                stepped/loaded since.
+            RuntimeError: the state was consolidated onto another rank, or onto this rank and
+                the optimizer stepped/loaded since; or, in the implicit collective, some rank
+                did not call it within ``collective_timeout``.
         """
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
+        elif self._needs_implicit_consolidation():
+            self._consolidate_implicitly()
         if self._consolidated is None:
             raise RuntimeError(
                 f"rank {self.rank}: the optimizer state has not been consolidated on this rank. "
                 f"Call optimizer.consolidate_state_dict(recipient_rank={self.rank}) on every "
-                f"rank first (or state_dict(all_ranks=True) on every rank)."
+                f"rank first (or state_dict(all_ranks=True) on every rank; before "
+                f"torch.distributed.checkpoint's get_state_dict, "
+                f"consolidate_state_dict(recipient_rank=-1) on every rank)."
             )
         version, sd = self._consolidated
         if version != self._state_version:
@@ -231,6 +303,8 @@ class _StateDictMixin:
             state_dict, self._layout, self.rank, len(self.param_groups), current
         )
         self.optim.load_state_dict(local)
+        self.state = _install_state(self.optim, self._state_flag)
+        self._state_flag.value = True
         if self._masters is not None:
             with torch.no_grad():
                 for i in self._layout.owned(self.rank):

@@ -7,6 +7,7 @@ flat buffer), so a comm hook can sync one DDP bucket's worth of parameters at a 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from shardkit.optim._dist import _global_rank
 from shardkit.optim._layout import _Layout
 
 __all__: list[str] = []
+
+logger = logging.getLogger("shardkit.optim")
+_logged_reattach = False
 
 
 # [Note: Flat param buckets]
@@ -83,6 +87,40 @@ class _ParamSync:
                 self._bucket_of[id(p)] = entry
                 offset += p.numel()
             self.buckets.append(entry)
+
+    # [Note: Params moved off their buckets]
+    # ``module.to(device)`` with a device that compares unequal to the params' own (Accelerate
+    # prepares CPU models with ``.to("cpu:0")``, and ``cpu:0 != cpu`` for torch) copies every
+    # param and rebinds its ``.data``: the params are no longer views of the flat buffers, so the
+    # local step writes into the copies and the sync broadcasts the stale buffers. Each
+    # ``step()`` therefore checks the first param of every bucket (O(buckets), not O(params):
+    # such a move rebinds them all) and re-attaches the bucket's params, their current values
+    # kept, logging it once.
+    def reattach_moved(self) -> int:
+        """Re-attaches the buckets whose params were rebound; returns how many."""
+        global _logged_reattach
+        moved = 0
+        for entry in self.buckets:
+            first = entry.params[0]
+            buffer = entry.bucket.buffer
+            if (
+                first.device == buffer.device
+                and first.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            ):
+                continue
+            entry.bucket.reattach()
+            moved += 1
+        if moved and not _logged_reattach:
+            _logged_reattach = True
+            logger.warning(
+                "the params of %d flat bucket(s) of a ShardedOptimizer were given new storage "
+                "since it was built (e.g. module.to(device) with a device that copies, such as "
+                "Accelerate's 'cpu:0'); re-attached them to the buckets, keeping their current "
+                "values (logged once; move the model before building the optimizer to avoid "
+                "the copy)",
+                moved,
+            )
+        return moved
 
     def release(self, keep: Iterable[torch.Tensor]) -> None:
         """Gives params that are not in ``keep`` their own storage, freeing the flat buffers."""
@@ -155,4 +193,3 @@ def _checked(work: dist.Work | None) -> dist.Work:
     if work is None:
         raise RuntimeError("an async broadcast returned no work handle")
     return work
-
