@@ -1,0 +1,14 @@
+"""shardkit.ddp: ShardedDataParallel (ZeRO-2): reduce-scatter grads into owners' shards, step, all-gather params."""
+
+from shardkit.ddp.__about__ import __version__
+from shardkit.ddp._comm import CommStats
+from shardkit.ddp._layout import ELEMENTWISE_OPTIMIZERS, is_elementwise
+from shardkit.ddp._sharded_ddp import ShardedDataParallel
+
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "CommStats",
+    "ShardedDataParallel",
+    "__version__",
+    "is_elementwise",
+]

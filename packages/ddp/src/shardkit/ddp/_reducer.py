@@ -1,0 +1,207 @@
+"""Backward side of ``ShardedDataParallel``: stage grads, reduce-scatter buckets in order.
+
+[Note: Staging and launch order]
+A param's post-accumulate-grad hook copies its gradient, times ``1/N`` (exactly DDP's
+``copy_grad_to_bucket``: ``mul(grad, 1/N)`` into the bucket), into its bucket's *staging*
+buffer and drops ``.grad``. A bucket takes a staging buffer when its first gradient arrives and
+gives it back when its reduce-scatter has completed; at most two staging buffers of the largest
+bucket's size exist per (dtype, device), so no full-size gradient is ever allocated (a third is
+allocated, and logged once, only if a backward fills three buckets at once out of plan order).
+
+Buckets are launched strictly in index order on every rank: a complete bucket launches only
+once every earlier bucket has launched, so every rank issues the same collectives in the same
+order whatever order its hooks fire in. At the end of the backward pass (an autograd-engine
+callback, see ``_torch_compat``) the buckets still waiting are flushed: params that got no
+gradient in this pass stage what they have (a gradient accumulated under ``no_sync()``) or
+zeros, as DDP with ``find_unused_parameters=True`` does, and every remaining bucket launches.
+
+The reduce-scatter writes this rank's range into the bucket's ``grad_shard``; if the shard
+already holds a gradient not yet consumed by a step (two synchronised backwards without
+``zero_grad``), it writes into a temporary that is added when the work completes, so gradients
+accumulate as with DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from shardkit.ddp._comm import _Comm, _Pending
+from shardkit.ddp._layout import _Bucket
+from shardkit.ddp._torch_compat import queue_end_of_backward
+
+__all__: list[str] = []
+
+logger = logging.getLogger("shardkit.ddp")
+_MAX_STAGING = 2
+_warned_extra_staging = False
+
+
+class _Reducer:
+    """Stages gradients and issues the reduce-scatters of a list of buckets."""
+
+    def __init__(self, buckets: Sequence[_Bucket], comm: _Comm) -> None:
+        self.buckets = list(buckets)
+        self.comm = comm
+        self.where: dict[int, tuple[_Bucket, int]] = {
+            id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)
+        }
+        self.scale = 1.0 / comm.world
+        self.next_launch = 0
+        self.in_backward = False
+        self.enabled = True
+        """False under ``no_sync()``: hooks leave ``.grad`` to accumulate locally."""
+        self.inflight: list[tuple[_Bucket, _Pending]] = []
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._count: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._size: dict[tuple[torch.dtype, torch.device], int] = {}
+        for b in self.buckets:
+            key = (b.dtype, b.device)
+            self._size[key] = max(self._size.get(key, 0), b.numel)
+            self._free.setdefault(key, [])
+            self._count.setdefault(key, 0)
+        self._gaps = {id(b): _gaps(b) for b in self.buckets}
+
+    # ------------------------------------------------------------------ staging buffers
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers allocated so far."""
+        return sum(
+            n * self._size[k] * torch.empty((), dtype=k[0]).element_size()
+            for k, n in self._count.items()
+        )
+
+    def _acquire(self, b: _Bucket) -> torch.Tensor:
+        global _warned_extra_staging
+        key = (b.dtype, b.device)
+        while not self._free[key] and self._count[key] >= _MAX_STAGING:
+            holder = next(
+                (
+                    i
+                    for i, (ob, _) in enumerate(self.inflight)
+                    if ob.dtype == b.dtype and ob.device == b.device
+                ),
+                None,
+            )
+            if holder is None:
+                if not _warned_extra_staging:
+                    _warned_extra_staging = True
+                    logger.warning(
+                        "ShardedDataParallel: more than %d buckets of %s receive gradients at "
+                        "once (backward does not follow the bucket order, or an earlier bucket "
+                        "waits for params unused in this pass); allocating another staging "
+                        "buffer of %d elements",
+                        _MAX_STAGING,
+                        b.dtype,
+                        self._size[key],
+                    )
+                break
+            self._finish(holder)
+        if self._free[key]:
+            buf = self._free[key].pop()
+        else:
+            buf = torch.empty(self._size[key], dtype=b.dtype, device=b.device)
+            self._count[key] += 1
+        view = buf[: b.numel]
+        for start, end in self._gaps[id(b)]:
+            view[start:end].zero_()
+        return view
+
+    def _release(self, b: _Bucket) -> None:
+        if b.staging is not None:
+            base = b.staging._base if b.staging._base is not None else b.staging
+            self._free[(b.dtype, b.device)].append(base)
+            b.staging = None
+
+    # ------------------------------------------------------------------ backward
+    def on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook body: stage ``p.grad``, drop it, launch what is ready."""
+        if not self.enabled:
+            return
+        if not self.in_backward:
+            self.in_backward = True
+            self.next_launch = 0
+            for b in self.buckets:
+                b.reset_backward()
+            queue_end_of_backward(self.flush)
+        b, i = self.where[id(p)]
+        if i not in b.pending or p.grad is None:
+            return
+        self._stage(b, i, p.grad)
+        p.grad = None
+        b.pending.discard(i)
+        self._launch_ready()
+
+    def _stage(self, b: _Bucket, i: int, grad: torch.Tensor | None) -> None:
+        if b.staging is None:
+            b.staging = self._acquire(b)
+        p = b.params[i]
+        view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
+        if grad is None:
+            view.zero_()
+        else:
+            torch.mul(grad.detach(), self.scale, out=view)
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets) and not self.buckets[self.next_launch].pending:
+            self._launch(self.buckets[self.next_launch])
+            self.next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        assert b.staging is not None  # every param staged (possibly zeros) before launch
+        if b.grad_shard is None:
+            b.grad_shard = torch.zeros(b.shard, dtype=b.dtype, device=b.device)
+        out = b.grad_shard if b.grad_fresh else torch.empty_like(b.grad_shard)
+        b.out = out
+        b.grad_fresh = False
+        b.launched = True
+        self.inflight.append((b, self.comm.reduce_scatter(out, b.staging)))
+
+    def flush(self) -> None:
+        """End of backward: stage what unused params have, launch every remaining bucket."""
+        try:
+            for b in self.buckets[self.next_launch :]:
+                for i in sorted(b.pending):
+                    p = b.params[i]
+                    self._stage(b, i, p.grad)
+                    p.grad = None
+                b.pending.clear()
+            self._launch_ready()
+        finally:
+            self.in_backward = False
+
+    def _finish(self, index: int) -> None:
+        b, pending = self.inflight.pop(index)
+        self.comm.wait(pending)
+        if b.out is not None and b.grad_shard is not None and b.out is not b.grad_shard:
+            b.grad_shard.add_(b.out)
+        b.out = None
+        self._release(b)
+
+    def finish_all(self) -> None:
+        """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
+        while self.inflight:
+            self._finish(0)
+
+    def has_grads(self) -> bool:
+        """Whether any bucket holds a reduced gradient not consumed yet."""
+        return any(not b.grad_fresh for b in self.buckets)
+
+    def consume(self) -> None:
+        """Marks every grad shard consumed (after a step or ``zero_grad``)."""
+        for b in self.buckets:
+            b.grad_fresh = True  # the next reduce-scatter overwrites the shard
+
+
+def _gaps(b: _Bucket) -> list[tuple[int, int]]:
+    """Element ranges of the bucket covered by no param (padding), to zero in staging."""
+    spans = sorted((off, off + p.numel()) for off, p in zip(b.offsets, b.params, strict=True))
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for start, end in spans:
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, end)
+    if pos < b.numel:
+        out.append((pos, b.numel))
+    return out

@@ -1,0 +1,506 @@
+"""``ShardedDataParallel``: ZeRO-2 data parallelism that moves exactly DDP's bytes.
+
+[Note: Optimizer hand-over]
+The training loop keeps calling the ``ShardedOptimizer``'s ``step()``, ``zero_grad()``,
+``clip_grad_norm()`` and ``state_dict()``, but once wrapped its params' gradients live in this
+module's grad shards, not in ``.grad``. So at construction this module takes the optimizer over:
+
+- it attaches as the optimizer's external stepper (shardkit-optim's [Note: External stepper])
+  and registers a step pre-hook (public ``register_step_pre_hook``) that waits for the
+  reductions, steps the local shards, all-gathers the params and marks the step taken; the
+  optimizer's own ``step()`` then only runs its per-step agreement (hyper-parameters equal on
+  every rank) and consumes the mark;
+- ``zero_grad``, ``clip_grad_norm``, ``consolidate_state_dict``, ``state_dict`` and
+  ``load_state_dict`` are replaced *on that instance* by this module's versions, and
+  ``add_param_group`` / ``refresh_trainable`` / ``set_partition`` raise (the bucket layout is
+  fixed at construction);
+- the optimizer's own master copies (``master_dtype``) are released: the masters live with the
+  shards here.
+
+``close()`` undoes none of it (the params stay views of the flat buffers); the optimizer is
+meant to be used through this module from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from shardkit.ddp._comm import CommStats, _Comm, _Pending
+from shardkit.ddp._layout import build_buckets, is_elementwise
+from shardkit.ddp._reducer import _Reducer
+from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
+from shardkit.ddp._stepper import _Stepper
+from shardkit.optim import ShardedOptimizer
+from shardkit.partition import all_gather_objects, check_consistent
+from torch import nn
+
+__all__ = ["ShardedDataParallel"]
+
+logger = logging.getLogger("shardkit.ddp")
+_STEPPER_NAME = "shardkit.ddp.ShardedDataParallel"
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism with sharded gradients and optimizer state (ZeRO-2).
+
+    Gradients are reduce-scattered bucket by bucket during backward into the shard of the rank
+    that owns them; ``optimizer.step()`` steps every rank's shard and all-gathers the params.
+    Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
+    the optimizer state (and of the fp32 masters with ``master_dtype``), plus two staging
+    buckets. See [Note: Owner-contiguous buckets] (``shardkit.ddp._layout``) for the layout and
+    [Note: Optimizer hand-over] for how the optimizer is driven.
+
+    Args:
+        module: the model, already on its device, identical on every rank (or synchronised
+            with ``sync_models_at_startup``).
+        sharded_optimizer: a ``shardkit.optim.ShardedOptimizer`` (or ``OSS``) over the
+            module's params (a list of exactly one is accepted, as in fairscale).
+        process_group: must be ``None`` or the optimizer's group.
+        broadcast_buffers: broadcast rank 0's buffers before every forward, like DDP.
+        sync_models_at_startup: broadcast rank 0's params and buffers at construction.
+        reduce_buffer_size: fairscale's bucket size in elements (fp32, 4 bytes each); ``None``
+            uses ``bucket_cap_mb``; ``0`` puts every param in its own bucket.
+        auto_refresh_trainable: accepted for fairscale compatibility; a change of
+            ``requires_grad`` after construction raises at the next step.
+        reduce_fp16: not supported (gradients are reduced in the params' dtype); must be False.
+        warn_on_trainable_params_changed: accepted for fairscale compatibility.
+        bucket_cap_mb: bucket cap in MiB (DDP's default 25).
+        first_bucket_cap_mb: cap of the first bucket of each group (DDP's 1), so the first
+            reduction starts early in backward.
+        elementwise: ``None`` shards the param groups of the torch optimizers in
+            ``shardkit.ddp.ELEMENTWISE_OPTIMIZERS`` element by element and gives whole params
+            to owners for any other optimizer (Muon, Shampoo-like); ``True`` / ``False``
+            forces one way.
+        overlap_param_gather: ``False`` (default): ``step()`` returns once every param is
+            all-gathered. ``True``: the all-gathers are left in flight, in forward order, and a
+            forward pre-hook of each submodule waits only for the buckets of its own params,
+            so the gathers overlap the next forward (Megatron's overlap-param-gather). Params
+            read outside a forward before that (EMA, inspection) must call
+            :meth:`wait_params` first; ``state_dict()`` of this module and of the wrapped
+            module, the optimizer's state dicts, clipping and the next step wait by
+            themselves. See [Note: Deferred param gather].
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or the optimizer not a ShardedOptimizer.
+        ValueError: bad arguments, optimizer params that are not the module's trainable
+            params, or ranks that disagree on the params or the bucket plan (on every rank).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: ShardedOptimizer | list[ShardedOptimizer],
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int | None = None,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        elementwise: bool | None = None,
+        overlap_param_gather: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        opt = _one_optimizer(sharded_optimizer)
+        if process_group is not None and process_group is not opt.group:
+            raise ValueError(
+                "process_group must be None or the ShardedOptimizer's group: gradients are "
+                "reduced over the group the optimizer shards over. Build the optimizer with "
+                "group=process_group."
+            )
+        if reduce_fp16:
+            raise ValueError(
+                "reduce_fp16=True is not supported: gradients are reduced in the params' own "
+                "dtype (keep a bf16/fp16 model with master_dtype=torch.float32 on the "
+                "optimizer to reduce half-precision gradients). Pass reduce_fp16=False."
+            )
+        if elementwise is not None and not isinstance(elementwise, bool):
+            raise TypeError(f"elementwise must be None or a bool, got {elementwise!r}")
+        cap = _cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
+        first_cap = min(cap, _cap_bytes(None, first_bucket_cap_mb, "first_bucket_cap_mb"))
+        self.module = module
+        self.sharded_optimizer = opt
+        self.group: dist.ProcessGroup = opt.group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self._comm = _Comm(self.group)
+        groups = opt.param_groups
+        _check_params(module, groups)
+        params = [p for g in groups for p in g["params"]]
+        self._trainable = [p.requires_grad for p in params]
+        check_consistent(params, group=self.group)
+        optim_cls = type(opt.optim)
+        flags = [is_elementwise(optim_cls, elementwise)] * len(groups)
+        buckets, prints = build_buckets(groups, flags, self.world_size, cap, first_cap)
+        _agree_plan(prints, self.group)
+        self._buckets = buckets
+        if sync_models_at_startup:
+            self._sync_at_startup(params)
+        self._stepper = _Stepper(
+            buckets, optim_cls, groups, dict(opt.defaults), self.rank, opt.master_dtype
+        )
+        self._reducer = _Reducer(buckets, self._comm)
+        self._no_sync = False
+        self._handles = [
+            cast(Any, p).register_post_accumulate_grad_hook(self._reducer.on_grad)
+            for b in buckets
+            for p in b.params
+        ]
+        self._consolidated: dict[str, Any] | None = None
+        self.last_closure_loss: Any = None
+        devices = {p.device for p in params}
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got {overlap_param_gather!r}")
+        self.overlap_param_gather = overlap_param_gather
+        self._gathers: dict[int, _Pending] = {}
+        self._module_buckets: dict[nn.Module, list[int]] = {}
+        where = {id(p): b.index for b in buckets for p in b.params}
+        for sub in module.modules():
+            own = sorted({where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where})
+            if own:
+                self._module_buckets[sub] = own
+                self._handles.append(sub.register_forward_pre_hook(self._pre_forward))
+        self._handles.append(
+            cast(Any, module).register_state_dict_pre_hook(self._before_state_dict)
+        )
+        self._take_over(opt)
+        self._comm.stats.reset()
+
+    # ------------------------------------------------------------------ set-up
+    def _sync_at_startup(self, params: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b in self._buckets:
+                self._comm.broadcast(b.flat, 0)
+            bucketed = {id(p) for b in self._buckets for p in b.params}
+            for p in params:
+                if id(p) not in bucketed:
+                    self._comm.broadcast(p.data, 0)
+            for buf in self.module.buffers():
+                self._comm.broadcast(buf, 0)
+
+    def _take_over(self, opt: ShardedOptimizer) -> None:
+        """See [Note: Optimizer hand-over]."""
+        opt._attach_stepper(_STEPPER_NAME)
+        self._pre_hook = opt.register_step_pre_hook(self._pre_step)
+        if getattr(opt, "_masters", None) is not None:
+            opt._masters = None  # the masters live with the shards here
+        ddp = self
+
+        def zero_grad(self: ShardedOptimizer, set_to_none: bool = True) -> None:
+            ddp.zero_grad(set_to_none)
+
+        def clip_grad_norm(
+            self: ShardedOptimizer,
+            max_norm: float,
+            norm_type: float = 2.0,
+            filter_params_fn: Callable[[Any], Any] | None = None,
+        ) -> torch.Tensor:
+            if filter_params_fn is not None:
+                raise ValueError(
+                    "clip_grad_norm(filter_params_fn=...) is not supported under "
+                    "ShardedDataParallel: gradients are sharded by element ranges, not params"
+                )
+            return ddp.clip_grad_norm_(max_norm, norm_type)
+
+        def consolidate_state_dict(self: ShardedOptimizer, recipient_rank: int = 0) -> None:
+            ddp._consolidated = ddp.optimizer_state_dict()
+
+        def state_dict(self: ShardedOptimizer, all_ranks: bool = False) -> dict[str, Any]:
+            if all_ranks:
+                return ddp.optimizer_state_dict()
+            if ddp._consolidated is None:
+                raise RuntimeError(
+                    "ShardedOptimizer.state_dict() under ShardedDataParallel: call "
+                    "optimizer.consolidate_state_dict() on every rank first (or "
+                    "state_dict(all_ranks=True), or ddp.optimizer_state_dict(), on every rank)"
+                )
+            out, ddp._consolidated = ddp._consolidated, None
+            return out
+
+        def load_state_dict(self: ShardedOptimizer, sd: dict[str, Any]) -> None:
+            ddp.load_optimizer_state_dict(sd)
+
+        def frozen_layout(self: ShardedOptimizer, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(
+                "ShardedDataParallel fixed this optimizer's params and bucket layout at "
+                "construction: build a new ShardedOptimizer and ShardedDataParallel instead"
+            )
+
+        for name, fn in (
+            ("zero_grad", zero_grad),
+            ("clip_grad_norm", clip_grad_norm),
+            ("consolidate_state_dict", consolidate_state_dict),
+            ("state_dict", state_dict),
+            ("load_state_dict", load_state_dict),
+            ("add_param_group", frozen_layout),
+            ("refresh_trainable", frozen_layout),
+            ("set_partition", frozen_layout),
+        ):
+            setattr(opt, name, types.MethodType(fn, opt))
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped module are reachable through the wrapper (fairscale)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the module (after broadcasting buffers when ``broadcast_buffers``).
+
+        Raises:
+            RuntimeError: in training with grad enabled, a param's ``.grad`` requires grad
+                (double backward, ``create_graph=True``), which sharded gradients do not support.
+        """
+        if self.training and torch.is_grad_enabled():
+            for b in self._buckets:
+                for p in b.params:
+                    if p.grad is not None and p.grad.requires_grad:
+                        raise RuntimeError(
+                            f"a param of shape {tuple(p.shape)} has a .grad that requires grad "
+                            f"(double backward / create_graph=True): ShardedDataParallel reduces "
+                            f"detached gradients; use torch DDP for higher-order gradients"
+                        )
+        if self._reducer.in_backward and not self._reducer.inflight:
+            self._reducer.in_backward = False  # the last backward raised before its end
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            with torch.no_grad():
+                for buf in self.module.buffers():
+                    self._comm.broadcast(buf, 0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate full local gradients in ``.grad`` without communicating;
+        the next synchronised backward reduces the sum once (like DDP and fairscale, this needs
+        a full-size local gradient while accumulating)."""
+        old = self._no_sync
+        self._no_sync = True
+        self._reducer.enabled = False
+        try:
+            yield
+        finally:
+            self._no_sync = old
+            self._reducer.enabled = not old
+
+    def reduce(self) -> None:
+        """Reduces the gradients accumulated in ``.grad`` (under ``no_sync()``) now, outside a
+        backward pass (fairscale's manual reduction). Collective."""
+        if self._reducer.in_backward:
+            raise RuntimeError("ShardedDataParallel.reduce() cannot run inside a backward pass")
+        for b in self._buckets:
+            b.reset_backward()
+        self._reducer.next_launch = 0
+        self._reducer.flush()
+
+    # ------------------------------------------------------------------ step
+    def _pre_step(
+        self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The real step; see [Note: Optimizer hand-over].
+
+        A closure (fairscale's loops pass one) is evaluated here, once, before the step, and
+        removed from the call, so ``step(closure)`` returns ``None``; the loss is kept in
+        :attr:`last_closure_loss`.
+        """
+        closure = args[1] if len(args) > 1 else kwargs.pop("closure", None)  # args[0] is opt
+        args = args[:1]
+        if closure is not None:
+            with torch.enable_grad():
+                self.last_closure_loss = closure()
+        self._check_trainable()
+        self.wait_params()
+        self._reducer.finish_all()
+        self._stepper.step(self.sharded_optimizer.param_groups)
+        self._reducer.consume()
+        self._all_gather_params()
+        self.sharded_optimizer._mark_stepped()
+        return args, kwargs
+
+    def _check_trainable(self) -> None:
+        params = [p for g in self.sharded_optimizer.param_groups for p in g["params"]]
+        if [p.requires_grad for p in params] != self._trainable:
+            raise RuntimeError(
+                "requires_grad changed on some params after ShardedDataParallel was built; the "
+                "bucket layout is fixed: build a new ShardedOptimizer and ShardedDataParallel"
+            )
+
+    # [Note: Deferred param gather]
+    # With overlap_param_gather the all-gathers of a step stay in flight when step() returns,
+    # issued in *reverse* bucket order (buckets are planned in reverse registration order, so
+    # this is roughly the order forward needs them; the order is the same on every rank). A
+    # pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
+    # holds params of that bucket, and by everything that reads or writes the flat buffers
+    # outside forward: wait_params(), the next step, clipping, state dicts. A bucket whose
+    # params no forward touches is waited for by the next step at the latest.
+    def _all_gather_params(self) -> None:
+        with torch.no_grad():
+            for b in reversed(self._buckets):
+                start, end = b.range_of(self.rank)
+                self._gathers[b.index] = self._comm.all_gather(b.flat, b.flat[start:end].clone())
+        if not self.overlap_param_gather:
+            self.wait_params()
+
+    def wait_params(self) -> None:
+        """Waits for every param all-gather still in flight (``overlap_param_gather``)."""
+        for index in sorted(self._gathers, reverse=True):
+            self._comm.wait(self._gathers.pop(index))
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._gathers:
+            for index in self._module_buckets.get(module, ()):
+                pending = self._gathers.pop(index, None)
+                if pending is not None:
+                    self._comm.wait(pending)
+
+    def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.wait_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops every gradient: reduced shards and ``.grad`` left by ``no_sync()``."""
+        self._reducer.finish_all()
+        self._reducer.consume()
+        self._stepper.factors.clear()
+        for p in self.module.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the reduced gradients by their global norm (fp32, over every rank's shard).
+
+        Collective. Call after backward and before ``step()``. Returns the total norm.
+        """
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        self._reducer.finish_all()
+        self.wait_params()
+        return self._stepper.clip(self._buckets, float(max_norm), float(norm_type), self._comm)
+
+    # ------------------------------------------------------------------ state
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state dict in plain torch format, on every rank. Collective.
+
+        See [Note: Optimizer state format] in ``shardkit.ddp._state_dict``.
+        """
+        self._reducer.finish_all()
+        self.wait_params()
+        return full_state_dict(
+            self._stepper, self._buckets, self.sharded_optimizer.param_groups, self.group
+        )
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a full optimizer state dict (from :meth:`optimizer_state_dict`, a consolidated
+        ``ShardedOptimizer`` or a plain torch optimizer) into this rank's shards."""
+        self.wait_params()
+        load_full_state_dict(
+            self._stepper, self._buckets, self.sharded_optimizer.param_groups, state_dict
+        )
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Counters of every collective issued since construction (see ``CommStats``)."""
+        return self._comm.stats
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds by kind: ``params`` (flat buffers), ``grads`` (grad shards),
+        ``staging``, ``optimizer`` (state and masters)."""
+        return {
+            "params": sum(b.flat.numel() * b.flat.element_size() for b in self._buckets),
+            "grads": sum(
+                b.grad_shard.numel() * b.grad_shard.element_size()
+                for b in self._buckets
+                if b.grad_shard is not None
+            ),
+            "staging": self._reducer.staging_bytes(),
+            "optimizer": self._stepper.state_bytes(),
+        }
+
+
+def _one_optimizer(opt: object) -> ShardedOptimizer:
+    if isinstance(opt, list):
+        if len(opt) != 1:
+            raise ValueError(
+                f"ShardedDataParallel takes one ShardedOptimizer (fairscale accepted a list), "
+                f"got a list of {len(opt)}; put every param group in one optimizer"
+            )
+        opt = opt[0]
+    if not isinstance(opt, ShardedOptimizer):
+        raise TypeError(
+            f"sharded_optimizer must be a shardkit.optim.ShardedOptimizer (or OSS), got "
+            f"{type(opt).__name__}; wrap the params with ShardedOptimizer(params, optim=..., ...)"
+        )
+    if opt._stepper is not None:
+        raise ValueError(
+            f"this ShardedOptimizer is already driven by {opt._stepper}; an optimizer can be "
+            f"wrapped by one ShardedDataParallel (or overlap hook) only"
+        )
+    return opt
+
+
+def _cap_bytes(elements: int | None, mb: float, name: str) -> int:
+    if elements is not None:
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
+            raise ValueError(
+                f"reduce_buffer_size must be a non-negative int (elements) or None, got "
+                f"{type(elements).__name__}: {elements!r}"
+            )
+        return max(1, elements * 4)
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+        raise ValueError(f"{name} must be a positive number of MiB, got {mb!r}")
+    return max(1, int(mb * (1 << 20)))
+
+
+def _check_params(module: nn.Module, groups: list[dict[str, Any]]) -> None:
+    mine = {id(p) for p in module.parameters()}
+    params = [p for g in groups for p in g["params"]]
+    foreign = [i for i, p in enumerate(params) if id(p) not in mine]
+    if foreign:
+        raise ValueError(
+            f"the optimizer's params {foreign[:5]} (global indices) are not params of the "
+            f"module; build the ShardedOptimizer over module.parameters()"
+        )
+    given = {id(p) for p in params}
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in given]
+    if missing:
+        raise ValueError(
+            f"trainable params {missing[:5]} of the module are not in the optimizer: their "
+            f"gradients would never be reduced. Pass every trainable param to the "
+            f"ShardedOptimizer, or freeze them with requires_grad_(False) first."
+        )
+    for i, p in enumerate(params):
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
+
+
+def _agree_plan(prints: list[str], group: dist.ProcessGroup) -> None:
+    gathered = all_gather_objects(prints, group)
+    for r, other in enumerate(gathered):
+        if other != gathered[0]:
+            raise ValueError(
+                f"ranks 0 and {r} plan different gradient buckets (bucket plan fingerprints "
+                f"per param group differ: {gathered[0]} vs {other}); build the model, the "
+                f"optimizer's param groups and ShardedDataParallel's bucket caps identically "
+                f"on every rank"
+            )

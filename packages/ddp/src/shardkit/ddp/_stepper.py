@@ -1,0 +1,179 @@
+"""Step side of ``ShardedDataParallel``: the local optimizer over this rank's shards.
+
+Each param group of the sharded optimizer becomes one group of a *local* optimizer of the same
+class and hyper-parameters, whose params are what this rank owns (see [Note: Owner-contiguous
+buckets]): for a fragment bucket, the rank's range of the flat buffer as one 1-D tensor; for a
+whole-param bucket, the params it owns. Their ``.grad`` are views of the bucket's reduced
+``grad_shard``. With ``master_dtype`` (shardkit-optim's [Note: Master weights]) each stepped
+tensor of another dtype gets a master copy in ``master_dtype``, created from the live values,
+which the local optimizer steps instead; the new values are cast back into the buffer after
+the step, and the gradients are upcast just before it, bucket by bucket, with the pending
+factors (clip coefficient) applied in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from shardkit.ddp._comm import _Comm
+from shardkit.ddp._layout import _Bucket
+from torch.optim import Optimizer
+
+__all__: list[str] = []
+
+
+def hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters (everything but ``params``)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One tensor the local optimizer steps."""
+
+    bucket: _Bucket
+    start: int
+    """Start of its gradient in ``bucket.grad_shard``."""
+    tensor: torch.Tensor
+    """The model-side tensor (a view of the bucket's buffer)."""
+    master: torch.Tensor | None
+    position: int = -1
+    """Position of the param in the bucket (whole-param entries; -1 for a fragment)."""
+
+    @property
+    def opt(self) -> torch.Tensor:
+        return self.tensor if self.master is None else self.master
+
+    def grad(self) -> torch.Tensor:
+        shard = self.bucket.grad_shard
+        assert shard is not None  # callers check grad_fresh first
+        return shard[self.start : self.start + self.tensor.numel()].view_as(self.tensor)
+
+
+class _Stepper:
+    """Steps this rank's shards with a local copy of the sharded optimizer's class."""
+
+    def __init__(
+        self,
+        buckets: Sequence[_Bucket],
+        optim_cls: type[Optimizer],
+        param_groups: Sequence[dict[str, Any]],
+        defaults: dict[str, Any],
+        rank: int,
+        master_dtype: torch.dtype | None,
+    ) -> None:
+        self.rank = rank
+        self.master_dtype = master_dtype
+        self.factors: list[torch.Tensor] = []
+        self.entries: list[list[_Entry]] = [[] for _ in param_groups]
+        for b in buckets:
+            start, end = b.range_of(rank)
+            if b.elementwise:
+                self.entries[b.group].append(self._entry(b, 0, b.flat[start:end], -1))
+            else:
+                for i, p in b.owned_params(rank):
+                    self.entries[b.group].append(self._entry(b, b.offsets[i] - start, p, i))
+        groups = [
+            {**hyperparams(g), "params": [e.opt for e in es]}
+            for g, es in zip(param_groups, self.entries, strict=True)
+        ]
+        self.local: Optimizer | None = None
+        if any(g["params"] for g in groups):
+            self.local = optim_cls(groups, **defaults)
+
+    def _entry(self, b: _Bucket, start: int, t: torch.Tensor, pos: int) -> _Entry:
+        master = None
+        if self.master_dtype is not None and t.dtype != self.master_dtype:
+            master = t.detach().to(self.master_dtype, copy=True)
+        return _Entry(b, start, t, master, pos)
+
+    def all_entries(self) -> list[_Entry]:
+        return [e for es in self.entries for e in es]
+
+    def state_bytes(self) -> int:
+        """Bytes of masters and optimizer state held by this rank."""
+        n = 0
+        for e in self.all_entries():
+            if e.master is not None:
+                n += e.master.numel() * e.master.element_size()
+            if self.local is not None:
+                for v in self.local.state.get(e.opt, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        n += v.numel() * v.element_size()
+        return n
+
+    # ------------------------------------------------------------------ step
+    def step(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        """One local step on the reduced gradients; see the module docstring."""
+        local = self.local
+        if local is None:
+            self.factors.clear()
+            return
+        for wg, lg in zip(param_groups, local.param_groups, strict=True):
+            lg.update(hyperparams(wg))
+        try:
+            for e in self.all_entries():
+                if e.bucket.grad_fresh or e.bucket.grad_shard is None:
+                    e.opt.grad = None
+                    continue
+                g = e.grad()
+                if e.master is not None:
+                    mg = g.to(e.master.dtype)
+                    for f in self.factors:  # one multiply each, in order
+                        mg.mul_(f.to(device=mg.device, dtype=mg.dtype))
+                    e.master.grad = mg
+                else:
+                    e.tensor.grad = g
+            local.step()
+            with torch.no_grad():
+                for e in self.all_entries():
+                    if e.master is not None and e.master.grad is not None:
+                        e.tensor.copy_(e.master)
+                    e.opt.grad = None
+        finally:
+            self.factors.clear()
+        for wg, lg in zip(param_groups, local.param_groups, strict=True):
+            wg.update(hyperparams(lg))
+
+    # ------------------------------------------------------------------ clipping
+    def clip(
+        self, buckets: Sequence[_Bucket], max_norm: float, norm_type: float, comm: _Comm
+    ) -> torch.Tensor:
+        """Clips by the global norm of the reduced gradients (fp32, over every rank's shard).
+
+        Padding elements of a shard hold zero gradients (see [Note: Staging and launch order]),
+        so they add nothing to the norm.
+        """
+        live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
+        device = live[0].device if live else (buckets[0].device if buckets else torch.device("cpu"))
+        if live:
+            norms = [
+                torch.linalg.vector_norm(b.grad_shard.float(), norm_type)  # type: ignore[union-attr]
+                for b in live
+            ]
+            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        if math.isinf(norm_type):
+            total = local.reshape(1).clone()
+            comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            total = total[0]
+        else:
+            acc = local.double().pow(norm_type).reshape(1)
+            comm.all_reduce(acc)
+            total = acc[0].pow(1.0 / norm_type).float()
+        assert isinstance(total, torch.Tensor)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for b in live:
+            shard = b.grad_shard
+            assert shard is not None
+            if self.master_dtype is not None and b.dtype != self.master_dtype:
+                continue  # applied in fp32 to the upcast gradient at the step
+            shard.mul_(coef.to(shard.dtype))
+        if self.master_dtype is not None:
+            self.factors.append(coef.detach().reshape(()).clone())
+        return total
