@@ -11,10 +11,14 @@ or a third-party distribution declared there (torch included). Layout rules: no
 `src/shardkit/__init__.py`, `py.typed`, `__about__.py` with a literal `__version__` that hatchling
 reads, sibling dependencies are bounded ranges (never `==` pins) that admit the sibling's current
 version, no dependency cycles, README.md and a CHANGELOG.md entry for the current version.
+Packaging metadata: a LICENSE file (the repository's text) listed in `[project].license-files`,
+per-version `Programming Language :: Python :: 3.N` classifiers that match `requires-python`,
+`[project.urls]`, and a README.md without relative links (they are dead on a package index
+page: every link must be an absolute URL).
 
-Dynamic part: every wheel is built (hatchling in-process when importable), checked (files,
-metadata) and installed ALONE into a fresh virtual environment with `--no-index` so that only the
-declared sibling wheels can be pulled in. torch, its own dependencies and the package's declared
+Dynamic part: every wheel and sdist is built (hatchling in-process when importable), checked
+(files, metadata, the license file in both) and the wheel is installed ALONE into a fresh virtual
+environment with `--no-index` so that only the declared sibling wheels can be pulled in. torch, its own dependencies and the package's declared
 third-party dependencies come from the current environment through a folder of symlinks added by a
 `.pth` file (pip sees their dist-info as installed; nothing else of this environment is visible).
 Then every module of the package is imported there, and undeclared siblings must not be
@@ -29,10 +33,12 @@ import email.parser
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import textwrap
 import time
@@ -66,7 +72,17 @@ from _versions import (
     specs_admit,
 )
 
-__all__ = ["Result", "dynamic_check", "main", "static_check"]
+__all__ = [
+    "REPO_URL",
+    "Result",
+    "build_sdist",
+    "check_sdist",
+    "check_wheel",
+    "dynamic_check",
+    "main",
+    "readme_link_problems",
+    "static_check",
+]
 
 _STDLIB = frozenset(sys.stdlib_module_names)
 _SUBPROCESS_TIMEOUT = 300
@@ -134,6 +150,18 @@ def _check_layout(pkg: Package, root: Path, result: Result) -> None:
     for doc in ("README.md", "CHANGELOG.md"):
         if not (pkg.path / doc).is_file():
             problems.append(f"packages/{pkg.name}/{doc} is missing")
+    _check_license(pkg, root, problems)
+    _check_classifiers(project, problems)
+    if not isinstance(project.get("urls"), Mapping) or not project["urls"]:
+        problems.append(
+            "[project.urls] is missing: add Homepage, Documentation, Repository, Changelog and "
+            f"Issues links ({REPO_URL}/...)"
+        )
+    readme = pkg.path / "README.md"
+    if readme.is_file():
+        problems.extend(
+            f"packages/{pkg.name}/{problem}" for problem in readme_link_problems(readme, root)
+        )
 
     version: str | None = None
     try:
@@ -173,7 +201,122 @@ def _check_layout(pkg: Package, root: Path, result: Result) -> None:
     ):
         problems.append(
             f"CHANGELOG.md has no heading for the current version {version} "
-            f'(python tools/release.py writes one: "## {version} (date)")'
+            f'(python tools/release.py writes one: "## [{version}] - YYYY-MM-DD")'
+        )
+
+
+REPO_URL = "https://github.com/shardkit/shardkit"
+"""Where relative README links point to once absolute (`<REPO_URL>/blob/main/<path>`)."""
+
+_LINK_RES = (
+    re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'(][^)]*)?\)"),  # [text](url "title")
+    re.compile(r"^\s{0,3}\[[^\]\n]+\]:\s*<?(\S+?)>?(?:\s|$)"),  # [ref]: url
+    re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']"""),  # HTML
+)
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_CODE_SPAN_RE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+
+
+def readme_link_problems(readme: Path, root: Path) -> list[str]:
+    """Relative links in a Markdown README (dead on a package index page), one message each.
+
+    Links inside fenced code blocks and code spans are ignored, as are in-page anchors (`#x`)
+    and links with a scheme (`https:`, `mailto:`). Each message names the line and suggests the
+    absolute URL of the target in this repository.
+    """
+    problems: list[str] = []
+    fence: str | None = None
+    for lineno, line in enumerate(readme.read_text(encoding="utf-8").splitlines(), 1):
+        stripped = line.lstrip()
+        if stripped.startswith(("```", "~~~")):
+            marker = stripped[:3]
+            fence = marker if fence is None else (None if marker == fence else fence)
+            continue
+        if fence is not None:
+            continue
+        text = _CODE_SPAN_RE.sub("", line)
+        for pattern in _LINK_RES:
+            for match in pattern.finditer(text):
+                target = match.group(1)
+                if target.startswith("#") or _SCHEME_RE.match(target) or target.startswith("//"):
+                    continue
+                path, _, anchor = target.partition("#")
+                resolved = (readme.parent / path).resolve()
+                try:
+                    rel = resolved.relative_to(root.resolve()).as_posix()
+                except ValueError:
+                    rel = path
+                kind = "tree" if resolved.is_dir() else "blob"
+                url = f"{REPO_URL}/{kind}/main/{rel}" + (f"#{anchor}" if anchor else "")
+                problems.append(
+                    f"README.md:{lineno}: relative link {target!r} is dead on a package index "
+                    f"page; use the absolute URL {url}"
+                )
+    return problems
+
+
+def _check_license(pkg: Package, root: Path, problems: list[str]) -> None:
+    """LICENSE present, equal to the repository's, and listed in `[project].license-files`."""
+    project = pkg.project
+    here = pkg.path / "LICENSE"
+    if not here.is_file():
+        problems.append(
+            f"packages/{pkg.name}/LICENSE is missing: copy the repository's LICENSE there "
+            "(the wheel and sdist must ship the license text)"
+        )
+    elif (root / "LICENSE").is_file() and here.read_bytes() != (root / "LICENSE").read_bytes():
+        problems.append(
+            f"packages/{pkg.name}/LICENSE differs from the repository's LICENSE: copy it again"
+        )
+    files = project.get("license-files")
+    if not isinstance(files, list) or not any(
+        isinstance(f, str) and Path(f).name.startswith("LICENSE") for f in files
+    ):
+        problems.append(
+            f'[project].license-files is {files!r}: set license-files = ["LICENSE"] so that '
+            "hatchling ships the license text in the wheel (.dist-info/licenses/) and the sdist"
+        )
+
+
+_PY_CLASSIFIER_RE = re.compile(r"^Programming Language :: Python :: (3\.\d+)$")
+
+
+def _check_classifiers(project: Mapping[str, object], problems: list[str]) -> None:
+    """Per-version Python classifiers exist, all admitted by `requires-python`, lowest included."""
+    classifiers = project.get("classifiers", [])
+    versions = [
+        m.group(1)
+        for c in (classifiers if isinstance(classifiers, list) else [])
+        if isinstance(c, str)
+        for m in [_PY_CLASSIFIER_RE.match(c)]
+        if m
+    ]
+    requires = project.get("requires-python")
+    if not isinstance(requires, str) or not requires.strip():
+        problems.append('[project].requires-python is missing (e.g. ">=3.10")')
+        return
+    if not versions:
+        problems.append(
+            "[project].classifiers names no Python version: add "
+            "'Programming Language :: Python :: 3.N' for each version requires-python admits"
+        )
+        return
+    try:
+        specs = parse_requirement(f"python{requires}").specs
+    except InvalidRequirement as exc:
+        problems.append(f"[project].requires-python {requires!r} is invalid: {exc}")
+        return
+    refused = [v for v in versions if not specs_admit(specs, v)]
+    if refused:
+        problems.append(
+            f"classifiers name Python {', '.join(refused)}, which requires-python {requires!r} "
+            "excludes: remove them or widen requires-python"
+        )
+    lowest = next((v for op, v in specs if op == ">="), None)
+    if lowest is not None and ".".join(lowest.split(".")[:2]) not in versions:
+        problems.append(
+            f"requires-python is {requires!r} but no 'Programming Language :: Python :: "
+            f"{'.'.join(lowest.split('.')[:2])}' classifier says so: add it"
         )
 
 
@@ -498,6 +641,17 @@ def check_wheel(pkg: Package, wheel: Path, version: str) -> list[str]:
     if not meta_text:
         return [*problems, f"wheel {wheel.name} has no METADATA"]
     meta = email.parser.Parser().parsestr(meta_text)
+    licenses = [
+        f"{d}/licenses/{f}" for d in dist_info[:1] for f in meta.get_all("License-File", [])
+    ]
+    if not licenses:
+        problems.append(
+            f"wheel {wheel.name} declares no License-File: set [project].license-files "
+            '= ["LICENSE"] (hatchling>=1.27)'
+        )
+    for name in licenses:
+        if name not in names:
+            problems.append(f"wheel {wheel.name} lacks its license file {name}")
     if canonical_name(meta.get("Name", "")) != pkg.dist_name:
         problems.append(f"wheel metadata Name is {meta.get('Name')!r}, expected {pkg.dist_name!r}")
     if meta.get("Version") != version:
@@ -532,6 +686,68 @@ def check_wheel(pkg: Package, wheel: Path, version: str) -> list[str]:
             f"wheel extras {built_extras} differ from [project].optional-dependencies "
             f"{declared_extras}"
         )
+    return problems
+
+
+_SDIST_SCRIPT = """
+import sys
+from hatchling.build import build_sdist
+print(build_sdist(sys.argv[1]), flush=True)
+"""
+
+
+def build_sdist(pkg: Package, out: Path) -> Path | str:
+    """Build `pkg`'s sdist into `out`; its path, or an error message.
+
+    In-process hatchling when this environment satisfies the package's [build-system], else
+    `python -m build --sdist` (an isolated build environment, which needs the index).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(out.glob("*.tar.gz"))
+    if _buildable_in_process(pkg):
+        proc = _run([sys.executable, "-c", _SDIST_SCRIPT, str(out.resolve())], cwd=pkg.path)
+        how = "hatchling build_sdist"
+    else:
+        try:
+            importlib.metadata.version("build")
+        except importlib.metadata.PackageNotFoundError:
+            return "cannot build the sdist: neither hatchling nor build is installed here"
+        proc = _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(out), str(pkg.path)])
+        how = "python -m build --sdist"
+    new = sorted(set(out.glob("*.tar.gz")) - before)
+    if proc.returncode != 0 or not new:
+        return f"sdist build ({how}) failed:\n" + _tail(proc.stderr or proc.stdout)
+    return new[0]
+
+
+def check_sdist(pkg: Package, sdist: Path, version: str) -> list[str]:
+    """Problems with the sdist: PKG-INFO name/version, license file(s), README, CHANGELOG."""
+    with tarfile.open(sdist, "r:gz") as tf:
+        members = {m.name for m in tf.getmembers() if m.isfile()}
+        tops = {name.split("/", 1)[0] for name in members}
+        top = next(iter(tops)) if len(tops) == 1 else None
+        if top is None:
+            return [f"sdist {sdist.name} does not unpack into one folder: {sorted(tops)[:5]}"]
+        info = tf.extractfile(f"{top}/PKG-INFO") if f"{top}/PKG-INFO" in members else None
+        meta_text = info.read().decode("utf-8") if info is not None else ""
+    if not meta_text:
+        return [f"sdist {sdist.name} has no PKG-INFO"]
+    meta = email.parser.Parser().parsestr(meta_text)
+    problems: list[str] = []
+    if canonical_name(meta.get("Name", "")) != pkg.dist_name or meta.get("Version") != version:
+        problems.append(
+            f"sdist PKG-INFO says {meta.get('Name')} {meta.get('Version')}, expected "
+            f"{pkg.dist_name} {version}"
+        )
+    licenses = meta.get_all("License-File", [])
+    if not licenses:
+        problems.append(
+            f"sdist {sdist.name} declares no License-File: set [project].license-files "
+            '= ["LICENSE"] (hatchling>=1.27)'
+        )
+    for name in [*licenses, "README.md", "CHANGELOG.md", "pyproject.toml"]:
+        if f"{top}/{name}" not in members:
+            problems.append(f"sdist {sdist.name} lacks {name}")
     return problems
 
 
@@ -675,6 +891,10 @@ def dynamic_check(
     if not isinstance(wheel, Path):
         return [wheel or "no wheel was built"]
     problems = check_wheel(pkg, wheel, version)
+    t = time.perf_counter()
+    sdist = build_sdist(pkg, work / pkg.name / "sdist")
+    phases["sdist"] = time.perf_counter() - t
+    problems += [sdist] if isinstance(sdist, str) else check_sdist(pkg, sdist, version)
     graph = {name: p.sibling_names() for name, p in packages.items()}
     allowed = dependency_closure(pkg.name, graph)
     for dep in allowed:

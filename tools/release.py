@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
 """Release one shardkit package: bump its version and add a CHANGELOG entry.
 
-    python tools/release.py <package> {major|minor|patch|X.Y.Z} -m "what changed" [-m ...]
+    python tools/release.py <package> {major|minor|patch|X.Y.Z} [-m "what changed" ...]
+        [--section {added,changed,deprecated,removed,fixed,security}]
         [--update-dependents] [--dry-run] [--date YYYY-MM-DD] [--root PATH]
 
 Writes `packages/<package>/src/shardkit/<package>/__about__.py` and the top of
-`packages/<package>/CHANGELOG.md`. Before writing anything it checks every sibling that depends on
+`packages/<package>/CHANGELOG.md`, which follows Keep a Changelog
+(https://keepachangelog.com/en/1.1.0/): a `## [Unreleased]` section, then one
+`## [X.Y.Z] - YYYY-MM-DD` section per release with `### Added` / `### Changed` / `### Fixed` / ...
+subsections. The entries already listed under `## [Unreleased]` move into the new version's
+section, and each `-m` message becomes one more bullet under `--section` (default: Changed);
+at least one of the two must be non-empty. Before writing anything it checks every sibling that depends on
 the package: if a sibling's declared range no longer admits the new version the release fails,
 naming each sibling and its range, unless `--update-dependents` is given, in which case those
 ranges are widened too (and reported). Exact pins (`==X`) between siblings are always refused.
@@ -45,6 +51,7 @@ from _versions import (
 )
 
 __all__ = [
+    "SECTIONS",
     "Edit",
     "bump_version",
     "main",
@@ -55,6 +62,18 @@ __all__ = [
 ]
 
 _BUMPS = ("major", "minor", "patch")
+
+# Keep a Changelog's change types, in the order its sections are written.
+SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")
+
+_CHANGELOG_INTRO = (
+    "All notable changes to {dist} are documented in this file.\n\n"
+    "The format is based on [Keep a Changelog](https://keepachangelog.com/en/1.1.0/),\n"
+    "and this project adheres to [Semantic Versioning](https://semver.org/spec/v2.0.0.html).\n"
+)
+_UNRELEASED_RE = re.compile(r"^##\s+\[?Unreleased\]?\s*$", re.IGNORECASE | re.MULTILINE)
+_H2_RE = re.compile(r"^##\s", re.MULTILINE)
+_H3_RE = re.compile(r"^###\s+(.+?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -210,10 +229,8 @@ def render_about(text: str, current: str, new: str, path: Path) -> str:
     return result
 
 
-def render_changelog(
-    text: str | None, dist: str, version: str, date: str, messages: Sequence[str]
-) -> str:
-    """The changelog with a `## <version> (<date>)` entry inserted above the newest entry."""
+def _bullets(messages: Sequence[str]) -> list[str]:
+    """Markdown bullet lines for `-m` messages (continuation lines indented under their bullet)."""
     bullets: list[str] = []
     for message in messages:
         lines = [line.rstrip() for line in message.strip().splitlines()]
@@ -226,16 +243,96 @@ def render_changelog(
                 bullets.append(line)
             else:
                 bullets.append(f"  {line}" if line else "")
-    entry = f"## {version} ({date})\n\n" + "\n".join(bullets) + "\n"
-    if text is None or not text.strip():
-        return f"# Changelog: {dist}\n\n{entry}"
-    if changelog_has_version(text, version):
+    return bullets
+
+
+def _section_name(raw: str) -> str:
+    """`raw` as one of `SECTIONS` (case-insensitive), or a `ToolError` naming them."""
+    for name in SECTIONS:
+        if raw.strip().lower() == name.lower():
+            return name
+    raise ToolError(
+        f"unknown changelog section {raw!r}; use one of {', '.join(s.lower() for s in SECTIONS)}"
+    )
+
+
+def _parse_unreleased(body: str, default: str) -> dict[str, list[str]]:
+    """The `### <type>` subsections of the Unreleased section as {type: bullet lines}.
+
+    Lines before the first `###` heading count as entries of `default`.
+    """
+    sections: dict[str, list[str]] = {}
+    current = default
+    for line in body.splitlines():
+        heading = _H3_RE.match(line)
+        if heading:
+            current = _section_name(heading.group(1))
+            continue
+        if line.strip() or sections.get(current):
+            sections.setdefault(current, []).append(line.rstrip())
+    return {name: _trim(lines) for name, lines in sections.items() if _trim(lines)}
+
+
+def _trim(lines: list[str]) -> list[str]:
+    """`lines` without leading and trailing blank lines."""
+    first = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    last = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].strip()), -1)
+    return lines[first : last + 1]
+
+
+def render_changelog(
+    text: str | None,
+    dist: str,
+    version: str,
+    date: str,
+    messages: Sequence[str],
+    section: str = "Changed",
+) -> str:
+    """The changelog (Keep a Changelog form) with a `## [<version>] - <date>` section added.
+
+    The entries under `## [Unreleased]` move into the new section (Unreleased is left empty) and
+    each message of `messages` becomes one bullet under `### <section>`. A changelog without an
+    Unreleased heading (or no changelog at all) gets one. Raises `ToolError` when the version is
+    already listed, when a message is blank, or when there is nothing to record at all.
+    """
+    section = _section_name(section)
+    bullets = _bullets(messages)
+    text = text if text is not None and text.strip() else None
+    if text is not None and changelog_has_version(text, version):
         raise ToolError(f"CHANGELOG.md of {dist} already has an entry for {version}")
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if re.match(r"^##\s", line):
-            return "".join(lines[:i]) + entry + "\n" + "".join(lines[i:])
-    return text.rstrip("\n") + "\n\n" + entry
+    head = f"# Changelog\n\n{_CHANGELOG_INTRO.format(dist=dist)}\n"
+    rest = ""
+    unreleased: dict[str, list[str]] = {}
+    if text is not None:
+        found = _UNRELEASED_RE.search(text)
+        if found is not None:
+            nxt = _H2_RE.search(text, found.end())
+            stop = nxt.start() if nxt is not None else len(text)
+            unreleased = _parse_unreleased(text[found.end() : stop], section)
+            head, rest = text[: found.start()], text[stop:]
+        else:
+            first = _H2_RE.search(text)
+            if first is None:
+                head, rest = text.rstrip("\n") + "\n\n", ""
+            else:
+                head, rest = text[: first.start()], text[first.start() :]
+    if bullets:
+        existing = unreleased.setdefault(section, [])
+        unreleased[section] = [*existing, *bullets]
+    if not any(unreleased.values()):
+        raise ToolError(
+            f'nothing to record for {dist} {version}: pass -m/--message "what changed" or list '
+            "the changes under '## [Unreleased]' in its CHANGELOG.md"
+        )
+    parts = [f"## [{version}] - {date}\n"]
+    for name in SECTIONS:
+        if unreleased.get(name):
+            parts.append(f"\n### {name}\n\n" + "\n".join(unreleased[name]) + "\n")
+    entry = "".join(parts)
+    out = head.rstrip("\n") + "\n\n## [Unreleased]\n\n" + entry
+    if rest.strip():
+        out += "\n" + rest.lstrip("\n")
+    return out
 
 
 @dataclass(frozen=True)
@@ -353,8 +450,10 @@ def _plan(args: argparse.Namespace, root: Path) -> tuple[list[Edit], list[str], 
     edits.append(
         Edit(
             target.changelog_path,
-            render_changelog(changelog_text, target.dist_name, new, args.date, args.message),
-            f"new entry '## {new} ({args.date})'",
+            render_changelog(
+                changelog_text, target.dist_name, new, args.date, args.message, args.section
+            ),
+            f"new section '## [{new}] - {args.date}'",
         )
     )
     for path, text in pyproject_texts.items():
@@ -384,8 +483,19 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "-m",
         "--message",
         action="append",
-        required=True,
-        help="what changed (one CHANGELOG bullet; repeat for more)",
+        default=[],
+        help=(
+            "what changed: one CHANGELOG bullet under --section (repeat for more); may be left "
+            "out when '## [Unreleased]' already lists the changes"
+        ),
+    )
+    parser.add_argument(
+        "-s",
+        "--section",
+        default="changed",
+        type=str.lower,
+        choices=[name.lower() for name in SECTIONS],
+        help="the Keep a Changelog section the -m bullets go under (default: changed)",
     )
     parser.add_argument(
         "--update-dependents",

@@ -1,86 +1,131 @@
 #!/usr/bin/env python3
-"""shardkit demo: train a small GPT-style model data-parallel with a ZeRO-1 sharded optimizer.
+"""shardkit demo: train a small character-level GPT data-parallel with a ZeRO-1 sharded optimizer.
 
-What it does (``python docs/examples/demo.py``, or ``hatch run demo``):
+What it does (``hatch run demo``, or ``python docs/examples/demo.py`` in an environment with the
+packages, tqdm and matplotlib installed):
 
-1. Starts ``--world-size`` local Gloo ranks (default 2; no GPU, no cluster needed).
+1. Launches ``--world-size`` local ranks (default 2) with ``torchrun --standalone``: Gloo on the
+   CPU, no GPU or cluster needed (NCCL when GPUs are present).
 2. Trains a small GPT-style decoder (token and position embeddings, causal self-attention, MLP,
    layer norm, an LM head tied to the token embedding) wrapped in DDP, with
    ``shardkit.optim.ShardedOptimizer`` around ``torch.optim.AdamW``; when shardkit-overlap is
    installed the optimizer step runs inside DDP's comm hook, overlapped with backward.
-3. The task is clearly defined and synthetic: next-token prediction on sequences drawn from a
-   fixed, seeded Markov chain over a 16-symbol alphabet. The lowest achievable loss is the
-   chain's conditional entropy, printed at the start, so you can watch the loss fall towards it.
-4. Shows a progress bar with loss and throughput, and prints each rank's optimizer-state bytes
-   against what plain DDP + AdamW keeps on every rank.
+3. The data is real text: eighteen of Shakespeare's sonnets (public domain, shipped in
+   ``docs/examples/data/sonnets.txt`` with their source), read character by character. A
+   ``DistributedSampler`` gives each rank its own share of the text windows every epoch.
+4. Shows a tqdm progress bar with the loss and throughput, and prints each rank's
+   optimizer-state bytes against what plain DDP + AdamW keeps on every rank.
 5. Saves a sharded checkpoint (torch.distributed.checkpoint, each rank writes its shard), then
-   resumes from it at ``--resume-world-size`` ranks (default 1) and trains on.
-6. Writes the loss curve of both phases to ``OUT/loss.png``.
+   launches again at ``--resume-world-size`` ranks (default 1), resumes from it and trains on.
+6. Plots the loss of both phases with matplotlib to ``OUT/loss.png``, with the entropy of the
+   text's characters (the floor of a model that sees no context) and of a character given the
+   previous one (the floor with one character of context) drawn as reference lines.
 
-Under ``torchrun`` the same script runs unchanged, one process per rank, on one or many nodes
-(NCCL when GPUs are present, else Gloo)::
+Each phase is one ``torchrun`` launch; to run them by hand (one or many nodes)::
 
-    torchrun --nproc-per-node 4 docs/examples/demo.py --steps 500 --out runs/a
-    torchrun --nproc-per-node 2 docs/examples/demo.py --steps 200 --resume runs/a/checkpoint
-
-(under torchrun each launch is one world size, so resuming at another size is a second launch).
+    torchrun --standalone --nproc-per-node 4 docs/examples/demo.py --steps 500 --out runs/a
+    torchrun --standalone --nproc-per-node 2 docs/examples/demo.py --steps 200 --out runs/a \\
+        --resume runs/a/checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import itertools
 import json
 import math
 import os
-import struct
+import shlex
+import subprocess
 import sys
-import tempfile
 import time
-import zlib
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 try:  # optional: overlap the sharded step with backward
     from shardkit.overlap import register_zero_overlap
 except ImportError:  # shardkit-overlap not installed: plain ZeRO-1 step after backward
     register_zero_overlap = None  # type: ignore[assignment]
 
-VOCAB = 16
+# tqdm and matplotlib come with the demo's hatch env (`hatch run demo`); they are not shardkit
+# dependencies. Without them the demo still trains: plain progress lines, no loss.png.
+try:
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None  # type: ignore[assignment,misc]
+
+TEXT = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 
 
-# ----------------------------------------------------------------------------- the task
+# ----------------------------------------------------------------------------- the data
 
 
-def markov_chain(seed: int = 1234) -> torch.Tensor:
-    """Transition table P[a, b] = p(next=b | current=a): peaked, seeded."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(VOCAB, VOCAB, generator=g) * 3.0
-    return torch.softmax(logits, dim=-1)
+def read_text(path: Path = TEXT) -> str:
+    """The training text: the file without its leading ``# `` source note."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(line for line in lines if not line.startswith("# ")).strip() + "\n"
 
 
-def entropy_floor(table: torch.Tensor) -> float:
-    """Conditional entropy (nats) of the chain, weighted by a long sample's state counts."""
-    seqs = sample(table, 256, 128, torch.Generator().manual_seed(99))
-    probs = table[seqs[:, :-1].reshape(-1)]
-    return float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean())
+class CharWindows(Dataset[torch.Tensor]):
+    """Overlapping windows of ``context + 1`` character ids (input and shifted target)."""
+
+    def __init__(self, text: str, context: int, stride: int) -> None:
+        self.chars = sorted(set(text))
+        lookup = {c: i for i, c in enumerate(self.chars)}
+        self.ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+        self.context = context
+        self.stride = stride
+
+    def __len__(self) -> int:
+        return (len(self.ids) - self.context - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = index * self.stride
+        return self.ids[start : start + self.context + 1]
 
 
-def sample(table: torch.Tensor, batch: int, length: int, g: torch.Generator) -> torch.Tensor:
-    seq = torch.empty(batch, length, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, VOCAB, (batch,), generator=g)
-    for t in range(1, length):
-        seq[:, t] = torch.multinomial(table[seq[:, t - 1]], 1, generator=g).squeeze(1)
-    return seq
+def entropies(text: str) -> tuple[float, float]:
+    """(H(c), H(c_t | c_{t-1})) of the text's characters, in nats.
+
+    The first is the lowest loss of a model that sees no context (it can only learn character
+    frequencies), the second the lowest loss with one character of context. A model with a longer
+    context can go below both on its own training text.
+    """
+    n = len(text)
+    unigram = Counter(text)
+    h0 = -sum(c / n * math.log(c / n) for c in unigram.values())
+    pairs = Counter(itertools.pairwise(text))
+    first = Counter(text[:-1])
+    h1 = -sum(c / (n - 1) * math.log(c / first[a]) for (a, _), c in pairs.items())
+    return h0, h1
+
+
+def batches(
+    loader: DataLoader[torch.Tensor], sampler: DistributedSampler[Any], done: int
+) -> Iterator[torch.Tensor]:
+    """Endless batches continuing after ``done`` steps: epoch ``done // len(loader)``, and so on.
+
+    ``sampler.set_epoch`` reshuffles each epoch identically on every rank, so each rank keeps a
+    disjoint share of the windows; a resumed run picks the epoch and position up from the step.
+    """
+    epoch, skip = divmod(done, len(loader))
+    while True:
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+        epoch, skip = epoch + 1, 0
 
 
 # ----------------------------------------------------------------------------- the model
@@ -90,8 +135,8 @@ def sample(table: torch.Tensor, batch: int, length: int, g: torch.Generator) -> 
 class GPTConfig:
     """Size of the demo model."""
 
-    vocab: int = VOCAB
-    """Alphabet size."""
+    vocab: int
+    """Alphabet size (distinct characters of the text)."""
     context: int = 64
     """Longest sequence."""
     dim: int = 128
@@ -108,7 +153,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -143,7 +190,7 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- one rank
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -155,23 +202,22 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def _progress(step: int, total: int, loss: float, tok_s: float, start: int) -> None:
-    width = 30
-    done = int(width * (step - start) / max(1, total - start))
-    bar = "#" * done + "-" * (width - done)
-    end = "\n" if step == total else ""
-    print(f"\r  [{bar}] step {step:4d}/{total}  loss {loss:.4f}  {tok_s:,.0f} tok/s", end=end, flush=True)
-
-
-def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> None:
-    """One rank of one phase ("train": from scratch, "resume": from the checkpoint)."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() and args.torchrun else torch.device("cpu")
-    if device.type == "cuda":
+def train(args: argparse.Namespace) -> None:
+    """One rank of one torchrun launch: from scratch, or from ``--resume`` (a checkpoint)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    phase = "resume" if args.resume else "train"
+    cuda = torch.cuda.is_available()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
+    if cuda:
         torch.cuda.set_device(device)
+    out = Path(args.out)
+    data = CharWindows(read_text(), context=64, stride=32)
+    cfg = GPTConfig(vocab=len(data.chars), context=data.context)
     torch.manual_seed(0)
-    cfg = GPTConfig()
     model = GPT(cfg).to(device)
-    ckpt = Path(args.resume) if args.resume else Path(args.out) / "checkpoint"
+    ckpt = Path(args.resume) if args.resume else out / "checkpoint"
     start_step = 0
     if phase == "resume":
         meta = json.loads((ckpt / "demo.json").read_text())
@@ -189,17 +235,31 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
         overlap = register_zero_overlap(ddp, zero, interleaved=True, shard_buckets=True)
         optimizer_step = overlap.step
 
-    table = markov_chain()
-    g = torch.Generator().manual_seed(1000 * (start_step + 1) + rank)
     local_batch = max(1, args.batch // world_size)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=local_batch, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(
+            f"--batch {args.batch} is larger than the {len(data)} text windows split over "
+            f"{world_size} rank(s): use a smaller --batch"
+        )
+    stream = batches(loader, sampler, start_step)
     end_step = start_step + args.steps
     losses: list[tuple[int, float]] = []
     if rank == 0:
         mode = "ShardedOptimizer(AdamW)" + (" + overlap hook" if overlapped else "")
-        print(f"{phase}: {world_size} rank(s) on {device.type}, {mode}, global batch {local_batch * world_size} x {cfg.context} tokens")
+        print(
+            f"{phase}: {world_size} rank(s) on {device.type}, {mode}; global batch "
+            f"{local_batch * world_size} x {cfg.context} characters, {len(loader)} steps per epoch"
+        )
+    bar = None
+    if rank == 0 and tqdm is not None:
+        bar = tqdm(
+            total=args.steps, desc=f"{phase} @ world {world_size}", unit="step", file=sys.stdout
+        )
     tic = time.perf_counter()
     for step in range(start_step + 1, end_step + 1):
-        batch = sample(table, local_batch, cfg.context + 1, g).to(device)
+        batch = next(stream).to(device)
         logits = ddp(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
@@ -209,9 +269,24 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
         dist.all_reduce(mean)
         mean /= world_size
         losses.append((step, float(mean)))
-        if rank == 0 and (step % 5 == 0 or step == end_step):
-            tok_s = (step - start_step) * local_batch * world_size * cfg.context / (time.perf_counter() - tic)
-            _progress(step, end_step, float(mean), tok_s, start_step)
+        if rank == 0:
+            chars_s = (
+                (step - start_step)
+                * local_batch
+                * world_size
+                * cfg.context
+                / (time.perf_counter() - tic)
+            )
+            if bar is not None:
+                bar.set_postfix(loss=f"{float(mean):.3f}", chars_s=f"{chars_s:,.0f}", refresh=False)
+                bar.update(1)
+            elif step % 10 == 0 or step == end_step:
+                print(
+                    f"  step {step}/{end_step}  loss {float(mean):.4f}  {chars_s:,.0f} chars/s",
+                    flush=True,
+                )
+    if bar is not None:
+        bar.close()
 
     # Optimizer memory: this rank's shard against the full AdamW state DDP keeps on every rank.
     mine = torch.tensor([_state_bytes(zero.optim)], dtype=torch.float64, device=device)
@@ -220,7 +295,9 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         full = 2 * 4 * n_params  # exp_avg + exp_avg_sq in fp32 (+ a scalar step per param)
-        print(f"  optimizer state per rank (plain DDP + AdamW would keep {full / 2**20:.2f} MiB on every rank):")
+        print(
+            f"  optimizer state per rank (plain DDP + AdamW would keep {full / 2**20:.2f} MiB on every rank):"
+        )
         for r, b in enumerate(per_rank):
             print(f"    rank {r}: {float(b) / 2**20:.2f} MiB  ({float(b) / full:.2f}x DDP)")
 
@@ -228,131 +305,175 @@ def train(rank: int, world_size: int, args: argparse.Namespace, phase: str) -> N
         save_sharded(zero, ckpt)
         if rank == 0:
             torch.save(model.state_dict(), ckpt / "model.pt")
-            (ckpt / "demo.json").write_text(json.dumps({"step": end_step, "world_size": world_size}))
+            (ckpt / "demo.json").write_text(
+                json.dumps({"step": end_step, "world_size": world_size})
+            )
             print(f"  saved sharded checkpoint at {ckpt} (step {end_step}, {world_size} shards)")
     if rank == 0:
-        log = Path(args.out) / f"loss-{phase}.json"
-        log.write_text(json.dumps(losses))
+        if phase == "train":  # a fresh run: an older resumed curve no longer follows it
+            (out / "loss-resume.json").unlink(missing_ok=True)
+        record = {"world_size": world_size, "losses": losses}
+        (out / f"loss-{phase}.json").write_text(json.dumps(record))
+        plot(out)
     if overlap is not None:
         overlap.close()
     dist.barrier()  # nobody tears the group down while another rank still writes or reads
 
 
-def _spawned(rank: int, world_size: int, init_file: str, args: argparse.Namespace, phase: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
+# ----------------------------------------------------------------------------- the loss plot
+
+_LABEL_BOX = {"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8}
+
+
+def plot(out: Path) -> Path | None:
+    """``out/loss.png`` from whichever phases have run; None (and a note) without matplotlib."""
     try:
-        train(rank, world_size, args, phase)
-    finally:
-        dist.destroy_process_group()
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  matplotlib is not installed: no loss.png (`hatch run demo` installs it)")
+        (out / "loss.png").unlink(missing_ok=True)
+        return None
+    h0, h1 = entropies(read_text())
+    vocab = len(set(read_text()))
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    colours = {"train": "tab:blue", "resume": "tab:orange"}
+    top: list[float] = []
+    for phase, label in (("train", "train at world {}"), ("resume", "resumed at world {}")):
+        path = out / f"loss-{phase}.json"
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        steps, values = zip(*record["losses"], strict=True)
+        top.append(max(values))
+        ax.plot(
+            steps, values, color=colours[phase], lw=1.4, label=label.format(record["world_size"])
+        )
+        if phase == "resume":
+            ax.axvline(steps[0] - 0.5, color="0.5", lw=0.8, ls=":")
+            ax.annotate(
+                "checkpoint: resharded", (steps[0] - 0.5, 1.0), xycoords=("data", "axes fraction"),
+                xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.35",
+            )  # fmt: skip
+    ax.axhline(math.log(vocab), color="0.6", lw=0.8, ls="--")
+    ax.axhline(h0, color="tab:red", lw=1.0, ls="--")
+    ax.axhline(h1, color="tab:green", lw=1.0, ls="--")
+    ax.annotate(f"uniform guess: ln {vocab} = {math.log(vocab):.2f} nats", (0.01, math.log(vocab)),
+                xycoords=("axes fraction", "data"), xytext=(0, 3), textcoords="offset points",
+                fontsize=8, color="0.4")  # fmt: skip
+    ax.annotate(f"entropy floor without context: H(c) = {h0:.2f} nats", (0.99, h0),
+                xycoords=("axes fraction", "data"), xytext=(0, 3), textcoords="offset points",
+                fontsize=8, color="tab:red", ha="right", bbox=_LABEL_BOX)  # fmt: skip
+    ax.annotate(f"entropy floor with 1 character of context: H(c | previous c) = {h1:.2f} nats",
+                (0.99, h1), xycoords=("axes fraction", "data"), xytext=(0, -10),
+                textcoords="offset points", fontsize=8, color="tab:green", ha="right", bbox=_LABEL_BOX)  # fmt: skip
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats per character)")
+    ax.set_title(
+        "Character-level GPT on Shakespeare's sonnets, ShardedOptimizer(AdamW)", fontsize=10
+    )
+    ax.set_ylim(0, 1.12 * max(math.log(vocab), *top))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    path = out / "loss.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
-def run_local(world_size: int, args: argparse.Namespace, phase: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned, args=(world_size, os.path.join(tmp, "init"), args, phase), nprocs=world_size, join=True)
+# ----------------------------------------------------------------------------- the launcher
 
 
-# ----------------------------------------------------------------------------- loss curve PNG
-
-
-def write_png(path: Path, curves: list[tuple[list[tuple[int, float]], tuple[int, int, int]]], floor: float) -> None:
-    """A dependency-free line plot: loss against step, one colour per phase, floor dashed."""
-    w, h, m = 640, 360, 30
-    px = bytearray(b"\xff" * (w * h * 3))
-    pts = [p for c, _ in curves for p in c]
-    x0, x1 = min(s for s, _ in pts), max(s for s, _ in pts)
-    y0, y1 = min(min(v for _, v in pts), floor) * 0.95, max(v for _, v in pts) * 1.02
-
-    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < w and 0 <= y < h:
-            i = (y * w + x) * 3
-            px[i:i + 3] = bytes(rgb)
-
-    def to_px(s: float, v: float) -> tuple[int, int]:
-        return (m + int((s - x0) / max(1, x1 - x0) * (w - 2 * m)), h - m - int((v - y0) / (y1 - y0) * (h - 2 * m)))
-
-    for x in range(m, w - m):
-        put(x, h - m, (0, 0, 0))
-    for y in range(m, h - m):
-        put(m, y, (0, 0, 0))
-    fy = to_px(x0, floor)[1]
-    for x in range(m, w - m, 6):
-        for d in range(3):
-            put(x + d, fy, (120, 120, 120))
-    for curve, rgb in curves:
-        prev = None
-        for s, v in curve:
-            cur = to_px(s, v)
-            if prev is not None:
-                n = max(abs(cur[0] - prev[0]), abs(cur[1] - prev[1]), 1)
-                for k in range(n + 1):
-                    x = prev[0] + (cur[0] - prev[0]) * k // n
-                    y = prev[1] + (cur[1] - prev[1]) * k // n
-                    put(x, y, rgb)
-                    put(x, y + 1, rgb)
-            prev = cur
-    raw = b"".join(b"\x00" + bytes(px[y * w * 3:(y + 1) * w * 3]) for y in range(h))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    path.write_bytes(png)
-
-
-# ----------------------------------------------------------------------------- main
+def _torchrun(nproc: int, args: argparse.Namespace, extra: list[str]) -> None:
+    """One phase: ``torchrun --standalone --nproc-per-node <nproc> demo.py ...`` (Gloo on CPU)."""
+    script = Path(__file__).resolve()
+    forwarded = [
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--lr",
+        str(args.lr),
+        "--out",
+        args.out,
+    ]
+    if args.no_overlap:
+        forwarded.append("--no-overlap")
+    argv = ["--standalone", "--nproc-per-node", str(nproc), str(script), *forwarded, *extra]
+    shown = shlex.join(["torchrun", *argv]).replace(str(script), os.path.relpath(script))
+    print(f"$ {shown}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: more threads per rank buy little
+    # `python -m torch.distributed.run` is torchrun, run with this interpreter.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *argv], env=env, check=False
+    )
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"demo: the torchrun launch above failed with exit status {proc.returncode}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="local ranks for the first phase")
-    parser.add_argument("--resume-world-size", type=int, default=1, help="local ranks after resuming")
+    parser.add_argument(
+        "--resume-world-size", type=int, default=1, help="local ranks after resuming"
+    )
     parser.add_argument("--steps", type=int, default=150, help="steps per phase")
-    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (text windows)")
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="demo-out", help="output directory")
-    parser.add_argument("--resume", default=None, help="(torchrun) resume from this checkpoint")
-    parser.add_argument("--no-overlap", action="store_true", help="do not register the overlap hook")
-    parser.add_argument("--short", action="store_true", help="a quick run (20 steps per phase) for tests")
+    parser.add_argument(
+        "--resume", default=None, help="(under torchrun) resume from this checkpoint"
+    )
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="do not register the overlap hook"
+    )
+    parser.add_argument(
+        "--short", action="store_true", help="a quick run (20 steps per phase) for tests"
+    )
     args = parser.parse_args(argv)
     if args.short:
         args.steps = 20
     for name in ("world_size", "resume_world_size", "steps", "batch"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
-    if args.torchrun:  # one process per rank, launched by torchrun
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # one rank, launched by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
-            train(dist.get_rank(), dist.get_world_size(), args, "resume" if args.resume else "train")
-            rank = dist.get_rank()
+            train(args)
         finally:
             dist.destroy_process_group()
-        if rank == 0:
-            _plot(Path(args.out), entropy_floor(markov_chain()))
         return 0
 
-    floor = entropy_floor(markov_chain())
-    print(f"task: Markov chain over {VOCAB} symbols; start loss ~ ln({VOCAB}) = {math.log(VOCAB):.3f}, floor (entropy) = {floor:.3f}")
+    text = read_text()
+    h0, h1 = entropies(text)
+    vocab = len(set(text))
+    print(
+        f"text: {len(text):,} characters of Shakespeare's sonnets, {vocab} distinct; loss starts near "
+        f"ln({vocab}) = {math.log(vocab):.2f} nats, entropy {h0:.2f} (no context), "
+        f"{h1:.2f} (one character of context)"
+    )
     start = time.perf_counter()
-    run_local(args.world_size, args, "train")
-    run_local(args.resume_world_size, args, "resume")
-    first, second = _plot(Path(args.out), floor)
-    print(f"loss {first[0][1]:.3f} -> {second[-1][1]:.3f} (floor {floor:.3f}); wrote {Path(args.out) / 'loss.png'} in {time.perf_counter() - start:.0f}s total")
+    _torchrun(args.world_size, args, [])
+    _torchrun(args.resume_world_size, args, ["--resume", str(Path(args.out) / "checkpoint")])
+    out = Path(args.out)
+    first = json.loads((out / "loss-train.json").read_text())["losses"]
+    second = json.loads((out / "loss-resume.json").read_text())["losses"]
+    png = out / "loss.png"
+    wrote = f"; wrote {png}" if png.exists() else ""
+    print(
+        f"loss {first[0][1]:.3f} -> {second[-1][1]:.3f}{wrote} in {time.perf_counter() - start:.0f}s total"
+    )
     return 0
-
-
-def _plot(out: Path, floor: float) -> tuple[list[Any], list[Any]]:
-    """loss.png from whichever phases have run (blue: training, orange: after the resume)."""
-    phases = [json.loads(p.read_text()) if p.exists() else [] for p in (out / "loss-train.json", out / "loss-resume.json")]
-    curves = [(c, rgb) for c, rgb in zip(phases, ((31, 119, 180), (255, 127, 14)), strict=True) if c]
-    if curves:
-        write_png(out / "loss.png", curves, floor)
-    return phases[0], phases[1]
 
 
 if __name__ == "__main__":

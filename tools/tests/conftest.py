@@ -17,7 +17,7 @@ MakePackage = Callable[..., Path]
 
 _PYPROJECT = """\
 [build-system]
-requires = ["hatchling>=1.21"]
+requires = ["hatchling>=1.27"]
 build-backend = "hatchling.build"
 
 [project]
@@ -25,9 +25,18 @@ name = "shardkit-{name}"
 dynamic = ["version"]
 description = "fake package {name}"
 requires-python = ">=3.10"
+license = "BSD-3-Clause"
+license-files = ["LICENSE"]
+classifiers = [
+  "Programming Language :: Python :: 3.10",
+  "Programming Language :: Python :: 3.11",
+]
 # dependencies of the fake package
 dependencies = [
 {deps}]
+
+[project.urls]
+Repository = "https://github.com/shardkit/shardkit"
 
 [tool.hatch.version]
 path = "src/shardkit/{name}/__about__.py"
@@ -44,15 +53,17 @@ def write_package(
     version: str = "0.1.0",
     modules: Mapping[str, str] | None = None,
 ) -> Path:
-    """Create packages/<name>/ with pyproject, README, CHANGELOG, __about__ and `modules`."""
+    """Create packages/<name>/ with pyproject, README, LICENSE, CHANGELOG, __about__, `modules`."""
     pkg = root / "packages" / name
     src = pkg / "src" / "shardkit" / name
     src.mkdir(parents=True, exist_ok=True)
     dep_lines = "".join(f'  "{d}",\n' for d in deps)
     (pkg / "pyproject.toml").write_text(_PYPROJECT.format(name=name, deps=dep_lines))
     (pkg / "README.md").write_text(f"# shardkit-{name}\n")
+    (pkg / "LICENSE").write_text("BSD 3-Clause License\n\nCopyright (c) shardkit developers\n")
     (pkg / "CHANGELOG.md").write_text(
-        f"# Changelog: shardkit-{name}\n\n## {version}\n\n- First release.\n"
+        f"# Changelog\n\n## [Unreleased]\n\n## [{version}] - 2024-01-01\n\n### Added\n\n"
+        "- First release.\n"
     )
     (src / "__about__.py").write_text(
         f'"""Version."""\n\n__all__ = ["__version__"]\n\n__version__ = "{version}"\n'

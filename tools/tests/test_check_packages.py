@@ -141,6 +141,71 @@ def test_layout_rules(repo: Path, make_package: MakePackage) -> None:
     )
 
 
+def test_packaging_metadata_rules(repo: Path, make_package: MakePackage) -> None:
+    (repo / "LICENSE").write_text("BSD 3-Clause License\n\nCopyright (c) shardkit developers\n")
+    nolicense = make_package("nolicense")
+    (nolicense / "LICENSE").unlink()
+    text = (nolicense / "pyproject.toml").read_text()
+    (nolicense / "pyproject.toml").write_text(text.replace('license-files = ["LICENSE"]\n', ""))
+    other = make_package("other")
+    (other / "LICENSE").write_text("MIT License\n")
+    pys = make_package("pys")
+    text = (pys / "pyproject.toml").read_text()
+    text = text.replace(
+        '"Programming Language :: Python :: 3.10",', '"Programming Language :: Python :: 3.9",'
+    )
+    text = text.replace('[project.urls]\nRepository = "https://github.com/shardkit/shardkit"\n', "")
+    (pys / "pyproject.toml").write_text(text)
+    problems = _static(repo)
+    assert len(problems["nolicense"]) == 2, problems["nolicense"]
+    assert "packages/nolicense/LICENSE is missing" in problems["nolicense"][0]
+    assert "license-files is None" in problems["nolicense"][1]
+    assert problems["other"] == [
+        "packages/other/LICENSE differs from the repository's LICENSE: copy it again"
+    ]
+    assert len(problems["pys"]) == 3, problems["pys"]
+    assert (
+        "classifiers name Python 3.9, which requires-python '>=3.10' excludes" in problems["pys"][0]
+    )
+    assert "no 'Programming Language :: Python :: 3.10' classifier" in problems["pys"][1]
+    assert "[project.urls] is missing" in problems["pys"][2]
+
+
+def test_relative_readme_links_are_refused(repo: Path, make_package: MakePackage) -> None:
+    pkg = make_package("core")
+    (repo / "docs").mkdir()
+    (pkg / "README.md").write_text(
+        "# shardkit-core\n\n"
+        "Guide: [docs](../../docs/core.md#usage), ![plot](../../docs)\n"
+        "[ok](https://example.org/x) [anchor](#usage) <mailto:a@b.c> `[code](not/a/link.md)`\n"
+        "```\n[in a fence](x.md)\n```\n"
+        '[ref]: CHANGELOG.md\n<a href="LICENSE">license</a>\n'
+    )
+    problems = _static(repo)["core"]
+    base = "https://github.com/shardkit/shardkit"
+    assert problems == [
+        "packages/core/README.md:3: relative link '../../docs/core.md#usage' is dead on a package "
+        f"index page; use the absolute URL {base}/blob/main/docs/core.md#usage",
+        "packages/core/README.md:3: relative link '../../docs' is dead on a package index page; "
+        f"use the absolute URL {base}/tree/main/docs",
+        "packages/core/README.md:8: relative link 'CHANGELOG.md' is dead on a package index page; "
+        f"use the absolute URL {base}/blob/main/packages/core/CHANGELOG.md",
+        "packages/core/README.md:9: relative link 'LICENSE' is dead on a package index page; "
+        f"use the absolute URL {base}/blob/main/packages/core/LICENSE",
+    ]
+
+
+def test_real_package_readmes_have_no_relative_links() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = [
+        f"packages/{pkg.name}/{problem}"
+        for pkg in load_packages(root)
+        if (pkg.path / "README.md").is_file()
+        for problem in check_packages.readme_link_problems(pkg.path / "README.md", root)
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_cycles_and_missing_siblings(repo: Path, make_package: MakePackage) -> None:
     make_package("a", deps=["torch", "shardkit-b>=0.1,<0.2"])
     make_package("b", deps=["torch", "shardkit-a>=0.1,<0.2", "shardkit-zzz>=0.1,<0.2"])
@@ -210,6 +275,9 @@ def test_dynamic_install_alone(
     installed = sorted(p.name for p in site.iterdir() if p.name.startswith("shardkit"))
     assert installed == ["shardkit", "shardkit_solo-0.1.0.dist-info"]
     assert sorted(p.name for p in (site / "shardkit").iterdir()) == ["solo"]
+    assert (site / "shardkit_solo-0.1.0.dist-info/licenses/LICENSE").is_file()
+    sdist = next((repo / "work/venvs/solo/sdist").glob("*.tar.gz"))
+    assert check_packages.check_sdist(load_packages(repo)[-1], sdist, "0.1.0") == []
     host = repo / "work/venvs/solo/host"
     assert (host / "torch").is_symlink()
     assert not any(p.name.startswith(("shardkit", "pytest", "hypothesis")) for p in host.iterdir())
@@ -222,3 +290,14 @@ def test_dynamic_install_alone(
     assert _row(out, "solo")[:5] == ["shardkit-solo", "0.1.0", "-", "ok", "FAIL"]
     assert "import shardkit.solo._m failed" in out
     assert "RuntimeError: boom" in out
+
+    # A wheel and an sdist that lack the license file fail.
+    (repo / "packages/solo/src/shardkit/solo/_m.py").write_text("X = 1\n")
+    pyproject.write_text(pyproject.read_text().replace('license-files = ["LICENSE"]\n', ""))
+    (repo / "packages/solo/LICENSE").unlink()
+    rc = check_packages.main(["--root", str(repo), "--package", "solo"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert _row(out, "solo")[:5] == ["shardkit-solo", "0.1.0", "-", "FAIL", "FAIL"]
+    assert "wheel shardkit_solo-0.1.0-py3-none-any.whl declares no License-File" in out
+    assert "sdist shardkit_solo-0.1.0.tar.gz declares no License-File" in out

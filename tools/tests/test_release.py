@@ -96,20 +96,59 @@ def test_replace_toml_string_keeps_layout_and_comments() -> None:
     assert tomllib.loads(out)["project"]["dependencies"][0] == 'a>=1; python_version >= "3.10"'
 
 
-def test_render_changelog_inserts_above_newest_entry() -> None:
-    text = "# Changelog: shardkit-x\n\nIntro.\n\n## 0.1.0\n\n- First release.\n"
+_KEEP = (
+    "# Changelog\n\nIntro.\n\n## [Unreleased]\n\n"
+    "## [0.1.0] - 2024-01-01\n\n### Added\n\n- First release.\n"
+)
+
+
+def test_render_changelog_adds_a_keep_a_changelog_section() -> None:
     out = render_changelog(
-        text, "shardkit-x", "0.2.0", "2024-05-01", ["Faster.\nMuch faster.", "- Fix"]
+        _KEEP, "shardkit-x", "0.2.0", "2024-05-01", ["Faster.\nMuch faster.", "- Fix"]
     )
     assert out == (
-        "# Changelog: shardkit-x\n\nIntro.\n\n## 0.2.0 (2024-05-01)\n\n- Faster.\n  Much faster.\n"
-        "- Fix\n\n## 0.1.0\n\n- First release.\n"
+        "# Changelog\n\nIntro.\n\n## [Unreleased]\n\n## [0.2.0] - 2024-05-01\n\n### Changed\n\n"
+        "- Faster.\n  Much faster.\n- Fix\n\n## [0.1.0] - 2024-01-01\n\n### Added\n\n"
+        "- First release.\n"
     )
+    fixed = render_changelog(_KEEP, "shardkit-x", "0.1.1", "2024-05-01", ["Bug"], "fixed")
+    assert "## [0.1.1] - 2024-05-01\n\n### Fixed\n\n- Bug\n\n## [0.1.0]" in fixed
     with pytest.raises(ToolError, match=r"already has an entry for 0\.1\.0"):
-        render_changelog(text, "shardkit-x", "0.1.0", "2024-05-01", ["again"])
+        render_changelog(_KEEP, "shardkit-x", "0.1.0", "2024-05-01", ["again"])
     with pytest.raises(ToolError, match="empty release message"):
-        render_changelog(text, "shardkit-x", "0.2.0", "2024-05-01", ["  "])
-    assert render_changelog(None, "shardkit-x", "0.2.0", "d", ["m"]).startswith("# Changelog")
+        render_changelog(_KEEP, "shardkit-x", "0.2.0", "2024-05-01", ["  "])
+    with pytest.raises(ToolError, match="unknown changelog section 'improved'"):
+        render_changelog(_KEEP, "shardkit-x", "0.2.0", "2024-05-01", ["m"], "improved")
+
+
+def test_render_changelog_moves_unreleased_entries_into_the_release() -> None:
+    text = _KEEP.replace(
+        "## [Unreleased]\n\n",
+        "## [Unreleased]\n\n### Fixed\n\n- A fix.\n\n### Added\n\n- A feature.\n  More.\n\n",
+    )
+    out = render_changelog(text, "shardkit-x", "0.2.0", "2024-05-01", ["Another fix"], "Fixed")
+    assert out == (
+        "# Changelog\n\nIntro.\n\n## [Unreleased]\n\n## [0.2.0] - 2024-05-01\n\n"
+        "### Added\n\n- A feature.\n  More.\n\n### Fixed\n\n- A fix.\n- Another fix\n\n"
+        "## [0.1.0] - 2024-01-01\n\n### Added\n\n- First release.\n"
+    )
+    # No message needed when Unreleased lists the changes; nothing at all is refused.
+    assert "### Fixed\n\n- A fix.\n" in render_changelog(text, "shardkit-x", "0.2.0", "d", [])
+    with pytest.raises(ToolError, match=r"nothing to record.*-m/--message.*\[Unreleased\]"):
+        render_changelog(_KEEP, "shardkit-x", "0.2.0", "2024-05-01", [])
+
+
+def test_render_changelog_starts_or_converts_a_changelog() -> None:
+    new = render_changelog(None, "shardkit-x", "0.2.0", "2024-05-01", ["m"])
+    assert new.startswith("# Changelog\n\nAll notable changes to shardkit-x")
+    assert "[Keep a Changelog](https://keepachangelog.com/en/1.1.0/)" in new
+    assert new.endswith("## [Unreleased]\n\n## [0.2.0] - 2024-05-01\n\n### Changed\n\n- m\n")
+    old_style = "# Changelog: shardkit-x\n\n## 0.1.0\n\n- First release.\n"
+    out = render_changelog(old_style, "shardkit-x", "0.2.0", "2024-05-01", ["m"])
+    assert out == (
+        "# Changelog: shardkit-x\n\n## [Unreleased]\n\n## [0.2.0] - 2024-05-01\n\n"
+        "### Changed\n\n- m\n\n## 0.1.0\n\n- First release.\n"
+    )
 
 
 def test_patch_release_writes_version_and_changelog(three_packages: Path) -> None:
@@ -120,8 +159,27 @@ def test_patch_release_writes_version_and_changelog(three_packages: Path) -> Non
     assert rc == 0
     assert read_about_version(root / "packages/core/src/shardkit/core/__about__.py") == "0.1.1"
     changelog = (root / "packages/core/CHANGELOG.md").read_text()
-    assert changelog.index("## 0.1.1 (2024-05-01)\n\n- Fix a bug\n") < changelog.index("## 0.1.0")
+    assert changelog.index(
+        "## [Unreleased]\n\n## [0.1.1] - 2024-05-01\n\n### Changed\n\n- Fix a bug\n"
+    ) < (changelog.index("## [0.1.0]"))
     assert _deps(root, "mid") == ["torch>=2.4", "shardkit-core>=0.1,<0.2"]
+
+
+def test_section_flag_and_unreleased_entries_on_the_command_line(three_packages: Path) -> None:
+    changelog = three_packages / "packages/core/CHANGELOG.md"
+    changelog.write_text(
+        changelog.read_text().replace(
+            "## [Unreleased]\n", "## [Unreleased]\n\n### Added\n\n- New\n"
+        )
+    )
+    argv = ["core", "patch", "--section", "fixed", "-m", "Bug", "--date", "2024-05-01"]
+    assert release.main([*argv, "--root", str(three_packages)]) == 0
+    text = changelog.read_text()
+    assert (
+        "## [Unreleased]\n\n## [0.1.1] - 2024-05-01\n\n### Added\n\n- New\n\n### Fixed\n\n- Bug\n"
+        in text
+    )
+    assert text.count("- New") == 1
 
 
 def test_conflicting_release_fails_and_writes_nothing(
@@ -209,7 +267,9 @@ def test_existing_changelog_entry_is_refused(
 ) -> None:
     changelog = three_packages / "packages/core/CHANGELOG.md"
     changelog.write_text(
-        changelog.read_text().replace("## 0.1.0", "## 0.1.1\n\n- early\n\n## 0.1.0")
+        changelog.read_text().replace(
+            "## [0.1.0]", "## [0.1.1] - 2024-02-01\n\n### Fixed\n\n- early\n\n## [0.1.0]"
+        )
     )
     assert release.main(["core", "patch", "-m", "x", "--root", str(three_packages)]) == 2
     assert "already has an entry for 0.1.1" in capsys.readouterr().err
