@@ -122,6 +122,16 @@ def _resnet50() -> list[_Param]:
     return out
 
 
+def _attention(prefix: str, d: int, kv: int, dtype: str) -> list[_Param]:
+    """HF ``self_attn`` projections (bias-free; ``kv < d`` is grouped-query attention)."""
+    return [
+        (prefix + "self_attn.q_proj.weight", [d, d], dtype, True),
+        (prefix + "self_attn.k_proj.weight", [kv, d], dtype, True),
+        (prefix + "self_attn.v_proj.weight", [kv, d], dtype, True),
+        (prefix + "self_attn.o_proj.weight", [d, d], dtype, True),
+    ]
+
+
 def _llama(
     hidden: int,
     intermediate: int,
@@ -136,10 +146,7 @@ def _llama(
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [
-            (p + "self_attn.q_proj.weight", [d, d], dtype, True),
-            (p + "self_attn.k_proj.weight", [kv, d], dtype, True),
-            (p + "self_attn.v_proj.weight", [kv, d], dtype, True),
-            (p + "self_attn.o_proj.weight", [d, d], dtype, True),
+            *_attention(p, d, kv, dtype),
             (p + "mlp.gate_proj.weight", [intermediate, d], dtype, True),
             (p + "mlp.up_proj.weight", [intermediate, d], dtype, True),
             (p + "mlp.down_proj.weight", [d, intermediate], dtype, True),
@@ -200,10 +207,7 @@ def _mixtral(
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [
-            (p + "self_attn.q_proj.weight", [d, d], dtype, True),
-            (p + "self_attn.k_proj.weight", [kv_hidden, d], dtype, True),
-            (p + "self_attn.v_proj.weight", [kv_hidden, d], dtype, True),
-            (p + "self_attn.o_proj.weight", [d, d], dtype, True),
+            *_attention(p, d, kv_hidden, dtype),
             (p + "block_sparse_moe.gate.weight", [experts, d], dtype, True),
         ]
         for e in range(experts):
