@@ -191,6 +191,8 @@ def test_bytes_match_ddp_ring_volume() -> None:
     assert stats.bytes["reduce_scatter"] + stats.bytes["all_gather"] == 2 * (n - 1) / n * padded * 4
     assert stats.total_bytes() <= ddp_bytes * (1 + n * len(sdp._buckets) / nparams)
     assert stats.calls["reduce_scatter"] == stats.calls["all_gather"] == len(sdp._buckets)
+    assert stats.calls["all_reduce"] == 1  # the requires_grad agreement: 4 bytes
+    assert stats.buffer_bytes["all_reduce"] == 4
     assert sdp.memory_bytes()["grads"] == padded * 4 // n
 
 

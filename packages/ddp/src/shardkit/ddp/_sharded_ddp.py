@@ -13,7 +13,13 @@ module's grad shards, not in ``.grad``. So at construction this module takes the
 - ``zero_grad``, ``clip_grad_norm``, ``consolidate_state_dict``, ``state_dict`` and
   ``load_state_dict`` are replaced *on that instance* by this module's versions, and
   ``add_param_group`` / ``refresh_trainable`` / ``set_partition`` raise (the bucket layout is
-  fixed at construction);
+  fixed at construction); ``local_state_dict`` (then collective) and the layout's ``owned``
+  are replaced so that shardkit-optim's ``save_sharded`` / ``load_sharded`` work exactly (see
+  [Note: DCP sharded checkpoints] in ``shardkit.ddp._state_dict``);
+- ``ShardedGradScaler``'s hooks (``_unscale_for_scaler``, ``_drop_grad_factors``, see
+  shardkit-optim's [Note: Master weights]) are replaced too, so the scaler checks and unscales
+  the reduced grad shards (``_Stepper.unscale``) and its found-inf, agreed over the group,
+  skips the step on every rank;
 - the optimizer's own master copies (``master_dtype``) are released: the masters live with the
   shards here.
 
@@ -34,7 +40,12 @@ import torch.distributed as dist
 from shardkit.ddp._comm import CommStats, _Comm, _Pending
 from shardkit.ddp._layout import build_buckets, is_elementwise
 from shardkit.ddp._reducer import _Reducer
-from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
+from shardkit.ddp._state_dict import (
+    _ElementRangeLayout,
+    checkpoint_shard,
+    full_state_dict,
+    load_full_state_dict,
+)
 from shardkit.ddp._stepper import _Stepper
 from shardkit.optim import ShardedOptimizer
 from shardkit.partition import all_gather_objects, check_consistent
@@ -67,7 +78,8 @@ class ShardedDataParallel(nn.Module):
         reduce_buffer_size: fairscale's bucket size in elements (fp32, 4 bytes each); ``None``
             uses ``bucket_cap_mb``; ``0`` puts every param in its own bucket.
         auto_refresh_trainable: accepted for fairscale compatibility; a change of
-            ``requires_grad`` after construction raises at the next step.
+            ``requires_grad`` after construction (on any rank) raises at the next step on
+            every rank.
         reduce_fp16: not supported (gradients are reduced in the params' dtype); must be False.
         warn_on_trainable_params_changed: accepted for fairscale compatibility.
         bucket_cap_mb: bucket cap in MiB (DDP's default 25).
@@ -155,6 +167,7 @@ class ShardedDataParallel(nn.Module):
         )
         self._reducer = _Reducer(buckets, self._comm)
         self._no_sync = False
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync
         self._handles = [
             cast(Any, p).register_post_accumulate_grad_hook(self._reducer.on_grad)
             for b in buckets
@@ -236,6 +249,19 @@ class ShardedDataParallel(nn.Module):
         def load_state_dict(self: ShardedOptimizer, sd: dict[str, Any]) -> None:
             ddp.load_optimizer_state_dict(sd)
 
+        def unscale_for_scaler(
+            self: ShardedOptimizer, inv_scale: torch.Tensor
+        ) -> dict[torch.device, torch.Tensor]:
+            ddp._reducer.finish_all()
+            return ddp._stepper.unscale(ddp._buckets, inv_scale)
+
+        def drop_grad_factors(self: ShardedOptimizer) -> None:
+            ddp._stepper.factors.clear()
+
+        def local_state_dict(self: ShardedOptimizer) -> dict[str, Any]:
+            full = ddp.optimizer_state_dict()
+            return checkpoint_shard(full, ddp.rank, ddp.world_size)
+
         def frozen_layout(self: ShardedOptimizer, *args: Any, **kwargs: Any) -> None:
             raise RuntimeError(
                 "ShardedDataParallel fixed this optimizer's params and bucket layout at "
@@ -248,11 +274,16 @@ class ShardedDataParallel(nn.Module):
             ("consolidate_state_dict", consolidate_state_dict),
             ("state_dict", state_dict),
             ("load_state_dict", load_state_dict),
+            ("_unscale_for_scaler", unscale_for_scaler),
+            ("_drop_grad_factors", drop_grad_factors),
+            ("local_state_dict", local_state_dict),
             ("add_param_group", frozen_layout),
             ("refresh_trainable", frozen_layout),
             ("set_partition", frozen_layout),
         ):
             setattr(opt, name, types.MethodType(fn, opt))
+        # every param "owned" on every rank: see [Note: DCP sharded checkpoints]
+        cast(Any, opt)._layout = _ElementRangeLayout(opt._layout)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped module are reachable through the wrapper (fairscale)."""
@@ -265,7 +296,13 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module (after broadcasting buffers when ``broadcast_buffers``).
+        """Runs the module (after broadcasting rank 0's buffers when ``broadcast_buffers``).
+
+        [Note: Buffer broadcast like DDP]
+        DDP broadcasts the buffers before a forward only if the *previous* forward ran with
+        grad enabled outside ``no_sync()`` (its ``require_forward_param_sync``; true before
+        the first forward). The same rule here keeps every rank issuing the same broadcasts
+        as DDP would, and the buffers equal to DDP's, bit for bit.
 
         Raises:
             RuntimeError: in training with grad enabled, a param's ``.grad`` requires grad
@@ -282,11 +319,13 @@ class ShardedDataParallel(nn.Module):
                         )
         if self._reducer.in_backward and not self._reducer.inflight:
             self._reducer.in_backward = False  # the last backward raised before its end
-        if self.broadcast_buffers and torch.is_grad_enabled():
+        if self.broadcast_buffers and self._sync_buffers_next:
             with torch.no_grad():
                 for buf in self.module.buffers():
                     self._comm.broadcast(buf, 0)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -327,7 +366,7 @@ class ShardedDataParallel(nn.Module):
         if closure is not None:
             with torch.enable_grad():
                 self.last_closure_loss = closure()
-        self._check_trainable()
+        self._agree_trainable()
         self.wait_params()
         self._reducer.finish_all()
         self._stepper.step(self.sharded_optimizer.param_groups)
@@ -336,12 +375,29 @@ class ShardedDataParallel(nn.Module):
         self.sharded_optimizer._mark_stepped()
         return args, kwargs
 
-    def _check_trainable(self) -> None:
+    def _agree_trainable(self) -> None:
+        """Raises on every rank if ``requires_grad`` changed on any rank since construction.
+
+        One 4-byte all-reduce (MAX of ``rank + 1`` over the ranks that see a change) before
+        the step's first wait, so a change on one rank cannot leave the others waiting in the
+        step's collectives.
+        """
         params = [p for g in self.sharded_optimizer.param_groups for p in g["params"]]
-        if [p.requires_grad for p in params] != self._trainable:
+        changed = [
+            i
+            for i, (p, t) in enumerate(zip(params, self._trainable, strict=True))
+            if p.requires_grad != t
+        ]
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        flag = torch.tensor([self.rank + 1 if changed else 0], dtype=torch.int32, device=device)
+        self._comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        who = int(flag.item()) - 1
+        if who >= 0:
+            mine = f" (here: params {changed[:5]}, global indices)" if changed else ""
             raise RuntimeError(
-                "requires_grad changed on some params after ShardedDataParallel was built; the "
-                "bucket layout is fixed: build a new ShardedOptimizer and ShardedDataParallel"
+                f"requires_grad changed after ShardedDataParallel was built, on rank {who} "
+                f"at least{mine}; the bucket layout is fixed at construction: build a new "
+                f"ShardedOptimizer and ShardedDataParallel after changing requires_grad"
             )
 
     # [Note: Deferred param gather]

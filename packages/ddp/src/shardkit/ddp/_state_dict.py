@@ -258,3 +258,50 @@ def _rank_of(e: _Entry) -> int:
     """The rank whose range ``e`` (a fragment entry) is: from its storage offset."""
     b = e.bucket
     return (e.tensor.storage_offset() - b.flat.storage_offset()) // b.shard
+
+
+# [Note: DCP sharded checkpoints]
+# shardkit-optim's ``save_sharded`` writes ``optimizer.local_state_dict()`` of every rank (per
+# rank disjoint global indices, plain per-param state) and ``load_sharded`` reads the indices
+# ``optimizer._layout.owned(rank)`` names, then calls ``optimizer.load_state_dict``. Under
+# ShardedDataParallel a param's state is split at element ranges across ranks, so the hand-over
+# makes both exact:
+#
+# - ``local_state_dict`` is replaced on the instance by ``checkpoint_shard`` of the full state
+#   dict (collective: ``save_sharded`` calls it once on every rank at the same point): rank
+#   ``r`` writes the whole-param state of the indices ``i % N == r``, so the checkpoint is the
+#   plain format ``load_sharded`` of any ShardedOptimizer reads, at any world size;
+# - the optimizer's layout is replaced by ``_ElementRangeLayout``, whose ``owned`` names every
+#   param on every rank (each rank steps a range of every element-wise bucket), so
+#   ``load_sharded`` reads the full state on every rank and hands it to
+#   ``load_full_state_dict``, which cuts this rank's ranges (not collective). Everything else
+#   is forwarded (the per-step agreement reads ``params`` / ``trainable``).
+#
+# The cost: every rank reads the whole optimizer state at load time (as ``load_state_dict``
+# of a consolidated dict does).
+def checkpoint_shard(full: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's part of a full state dict for ``save_sharded`` (indices ``i % world ==
+    rank``); see [Note: DCP sharded checkpoints]."""
+    out: dict[str, Any] = {
+        "state": {i: st for i, st in full["state"].items() if i % world == rank},
+        "param_groups": full["param_groups"],
+    }
+    if MASTER_KEY in full:
+        out[MASTER_KEY] = {i: m for i, m in full[MASTER_KEY].items() if i % world == rank}
+    return out
+
+
+class _ElementRangeLayout:
+    """A wrapped optimizer's layout whose ``owned`` names every param; see [Note: DCP sharded
+    checkpoints]."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def owned(self, rank: int) -> list[int]:
+        return list(range(len(self._inner.params)))  # type: ignore[attr-defined]

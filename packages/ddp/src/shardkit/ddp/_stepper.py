@@ -139,6 +139,45 @@ class _Stepper:
         for wg, lg in zip(param_groups, local.param_groups, strict=True):
             wg.update(hyperparams(lg))
 
+    # ------------------------------------------------------------------ loss scaling
+    def has_master(self, b: _Bucket) -> bool:
+        """Whether the bucket's tensors are stepped through masters (another dtype)."""
+        return self.master_dtype is not None and b.dtype != self.master_dtype
+
+    def unscale(
+        self, buckets: Sequence[_Bucket], inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """``ShardedGradScaler``'s unscale over this rank's reduced grad shards.
+
+        Checks every live shard for inf/nan (one flag per device, torch's format; the scaler
+        then agrees on it over the group, shardkit-optim's [Note: Agreed found-inf]),
+        multiplies the shards without masters by ``inv_scale`` in place, and queues
+        ``inv_scale`` as the first factor of the shards with masters, so it is applied in fp32
+        to the upcast gradient at the step (shardkit-optim's [Note: Master weights]).
+        """
+        half = [b.index for b in buckets if b.dtype == torch.float16 and not self.has_master(b)]
+        if half:  # decided by the agreed bucket plan: raises on every rank
+            raise ValueError(
+                f"ShardedGradScaler would unscale float16 gradients in float16 (buckets "
+                f"{half[:5]}), where small gradients underflow; torch's GradScaler refuses the "
+                f"same. Build the ShardedOptimizer with master_dtype=torch.float32."
+            )
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for b in buckets:
+                shard = b.grad_shard
+                if b.grad_fresh or shard is None:
+                    continue
+                flag = found.setdefault(
+                    b.device, torch.zeros((), dtype=torch.float32, device=b.device)
+                )
+                if not self.has_master(b):
+                    shard.mul_(inv_scale.to(device=shard.device, dtype=shard.dtype))
+                flag.copy_(torch.maximum(flag, (~torch.isfinite(shard).all()).to(flag.dtype)))
+        if self.master_dtype is not None:
+            self.factors.append(inv_scale.detach().to(dtype=torch.float32).reshape(()).clone())
+        return found
+
     # ------------------------------------------------------------------ clipping
     def clip(
         self, buckets: Sequence[_Bucket], max_norm: float, norm_type: float, comm: _Comm
@@ -146,15 +185,13 @@ class _Stepper:
         """Clips by the global norm of the reduced gradients (fp32, over every rank's shard).
 
         Padding elements of a shard hold zero gradients (see [Note: Staging and launch order]),
-        so they add nothing to the norm.
+        so they add nothing to the norm. Shards with masters count times the pending factors
+        (the loss scaler's ``1/scale`` after ``unscale_``), as the step will use them.
         """
         live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
         device = live[0].device if live else (buckets[0].device if buckets else torch.device("cpu"))
         if live:
-            norms = [
-                torch.linalg.vector_norm(b.grad_shard.float(), norm_type)  # type: ignore[union-attr]
-                for b in live
-            ]
+            norms = [torch.linalg.vector_norm(self._scaled(b), norm_type) for b in live]
             local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         else:
             local = torch.zeros((), dtype=torch.float32, device=device)
@@ -171,9 +208,21 @@ class _Stepper:
         for b in live:
             shard = b.grad_shard
             assert shard is not None
-            if self.master_dtype is not None and b.dtype != self.master_dtype:
+            if self.has_master(b):
                 continue  # applied in fp32 to the upcast gradient at the step
             shard.mul_(coef.to(shard.dtype))
         if self.master_dtype is not None:
             self.factors.append(coef.detach().reshape(()).clone())
         return total
+
+    def _scaled(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's reduced grad shard in fp32, times the pending factors (the loss
+        scaler's ``1/scale``) when its tensors have masters: what the step will use."""
+        shard = b.grad_shard
+        assert shard is not None  # callers keep live buckets only
+        g = shard.float()
+        if self.has_master(b) and self.factors:
+            g = g.clone() if g is shard else g
+            for f in self.factors:
+                g.mul_(f.to(device=g.device, dtype=g.dtype))
+        return g
