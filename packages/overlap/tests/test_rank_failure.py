@@ -80,7 +80,9 @@ def _killed_in_hook(**register_kw):
     assert "INTERNAL ASSERT" not in message, message
     assert "shardkit.overlap:" in message and "failed during backward" in message, message
     assert "most likely died" in message, message
-    assert iteration[0] == 3  # raised in the backward where the victim died
+    # Raised in the backward or step where the victim died, or (when Gloo is slow to notice
+    # the dead peer on a loaded machine) in the next iteration's collectives.
+    assert iteration[0] in (3, 4), iteration[0]
 
 
 @world(2, timeout=120)
