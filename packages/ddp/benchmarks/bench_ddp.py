@@ -7,8 +7,8 @@ Gloo on CPU, spawned ranks; model: 6 x Linear(W, W) + GELU (``SHARDKIT_BENCH_WID
   ``shardkit.ddp._comm``) counted by shardkit-ddp's communication layer over one step, against
   the same model for DDP (all-reduce of every grad: ``2(N-1)/N``) and for torch
   ZeroRedundancyOptimizer / fairscale OSS (DDP's all-reduce plus every param broadcast from
-  its owner: ``+ (N-1)/N``), world 2 and 4. The bytes Gloo actually sends are not measured
-  here (Gloo's reduce-scatter is not bandwidth-optimal: it moves more than the ring figure).
+  its owner: ``+ (N-1)/N``), world 2 and 4. The bytes Gloo actually sends are measured by
+  ``wire_bytes.py`` (Gloo's reduce-scatter is not bandwidth-optimal: 2x the ring figure).
 - ``memory``: bytes per param held on rank 0 after a step (live tensors: params, grads, grad
   shards, staging buffers, optimizer state, masters), bf16 model + fp32 masters + AdamW, against
   DDP + AMP (fp32 params, fp32 grads as bucket views, AdamW state), world 2 and 4.

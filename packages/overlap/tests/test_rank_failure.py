@@ -80,9 +80,10 @@ def _killed_in_hook(**register_kw):
     assert "INTERNAL ASSERT" not in message, message
     assert "shardkit.overlap:" in message and "failed during backward" in message, message
     assert "most likely died" in message, message
-    # Raised in the backward or step where the victim died, or (when Gloo is slow to notice
-    # the dead peer on a loaded machine) in the next iteration's collectives.
-    assert iteration[0] in (3, 4), iteration[0]
+    # Raised in the iteration where the victim died (the survivor may still be waiting in an
+    # earlier bucket's collective, before its own last-bucket hook: 2) or, when Gloo is slow
+    # to notice the dead peer on a loaded machine, in the next iteration's collectives (4).
+    assert 2 <= iteration[0] <= 4, iteration[0]
 
 
 @world(2, timeout=120)

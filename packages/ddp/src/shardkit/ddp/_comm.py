@@ -5,13 +5,15 @@ Each collective is counted at the moment it is issued, with the ring model of it
 rank for a buffer of ``B`` bytes over ``N`` ranks: reduce-scatter and all-gather move
 ``(N-1)/N * B``, all-reduce ``2(N-1)/N * B``, broadcast ``(N-1)/N * B`` (a pipelined chain,
 averaged over the ranks). These are the bytes a bandwidth-optimal implementation puts on the
-wire; Gloo's reduce-scatter is not bandwidth-optimal, so the bytes Gloo actually sends are
-higher (not measured by the package). The time from issue to completion is recorded by kind
-when the package waits on a work.
+wire; Gloo's reduce-scatter is not bandwidth-optimal: it sends twice the ring figure (as much
+as an all-reduce of the buffer), so on Gloo a step sends ~1.5x the counted bytes (measured by
+``benchmarks/wire_bytes.py``, see the README). The time from issue to completion is recorded
+by kind when the package waits on a work.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,6 +24,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommStats"]
+
+logger = logging.getLogger("shardkit.ddp")
+_logged_gloo_lists = False
 
 
 @dataclass
@@ -89,6 +94,14 @@ class _Comm:
         # reduce-scatter 43 ms vs 11 ms, all-gather 27 ms vs 5 ms, world 2); the list forms take
         # views of the same buffer, so nothing is copied. Same bytes, same sums.
         self._lists = dist.get_backend(group) == "gloo"
+        global _logged_gloo_lists
+        if self._lists and not _logged_gloo_lists:
+            _logged_gloo_lists = True
+            logger.info(
+                "ShardedDataParallel on Gloo: using the list forms of reduce_scatter / "
+                "all_gather (views of the bucket) instead of reduce_scatter_tensor / "
+                "all_gather_into_tensor, which Gloo runs 3-5x slower on CPU (logged once)"
+            )
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._layout import _Bucket
+from shardkit.ddp._ranges import phase
 from shardkit.ddp._torch_compat import queue_end_of_backward
 
 __all__: list[str] = []
@@ -155,7 +156,8 @@ class _Reducer:
         b.out = out
         b.grad_fresh = False
         b.launched = True
-        self.inflight.append((b, self.comm.reduce_scatter(out, b.staging)))
+        with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
+            self.inflight.append((b, self.comm.reduce_scatter(out, b.staging)))
 
     def flush(self) -> None:
         """End of backward: stage what unused params have, launch every remaining bucket."""
@@ -180,8 +182,11 @@ class _Reducer:
 
     def finish_all(self) -> None:
         """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
-        while self.inflight:
-            self._finish(0)
+        if not self.inflight:
+            return
+        with phase("wait"):  # See [Note: Profiler ranges]
+            while self.inflight:
+                self._finish(0)
 
     def has_grads(self) -> bool:
         """Whether any bucket holds a reduced gradient not consumed yet."""

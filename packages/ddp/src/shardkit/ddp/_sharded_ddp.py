@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from shardkit.ddp._comm import CommStats, _Comm, _Pending
 from shardkit.ddp._layout import build_buckets, is_elementwise
+from shardkit.ddp._ranges import phase
 from shardkit.ddp._reducer import _Reducer
 from shardkit.ddp._state_dict import (
     _ElementRangeLayout,
@@ -320,7 +321,7 @@ class ShardedDataParallel(nn.Module):
         if self._reducer.in_backward and not self._reducer.inflight:
             self._reducer.in_backward = False  # the last backward raised before its end
         if self.broadcast_buffers and self._sync_buffers_next:
-            with torch.no_grad():
+            with torch.no_grad(), phase("broadcast_buffers"):
                 for buf in self.module.buffers():
                     self._comm.broadcast(buf, 0)
         out = self.module(*args, **kwargs)
@@ -366,12 +367,15 @@ class ShardedDataParallel(nn.Module):
         if closure is not None:
             with torch.enable_grad():
                 self.last_closure_loss = closure()
-        self._agree_trainable()
-        self.wait_params()
-        self._reducer.finish_all()
-        self._stepper.step(self.sharded_optimizer.param_groups)
-        self._reducer.consume()
-        self._all_gather_params()
+        with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._ranges
+            self._agree_trainable()
+            self.wait_params()
+            self._reducer.finish_all()
+            with phase("local_step"):
+                self._stepper.step(self.sharded_optimizer.param_groups)
+            self._reducer.consume()
+            with phase("all_gather"):
+                self._all_gather_params()
         self.sharded_optimizer._mark_stepped()
         return args, kwargs
 
@@ -418,15 +422,19 @@ class ShardedDataParallel(nn.Module):
 
     def wait_params(self) -> None:
         """Waits for every param all-gather still in flight (``overlap_param_gather``)."""
-        for index in sorted(self._gathers, reverse=True):
-            self._comm.wait(self._gathers.pop(index))
+        if not self._gathers:
+            return
+        with phase("wait_params"):
+            for index in sorted(self._gathers, reverse=True):
+                self._comm.wait(self._gathers.pop(index))
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self._gathers:
             for index in self._module_buckets.get(module, ()):
                 pending = self._gathers.pop(index, None)
                 if pending is not None:
-                    self._comm.wait(pending)
+                    with phase("wait_params", index):
+                        self._comm.wait(pending)
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.wait_params()
@@ -450,9 +458,10 @@ class ShardedDataParallel(nn.Module):
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
             raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        self._reducer.finish_all()
-        self.wait_params()
-        return self._stepper.clip(self._buckets, float(max_norm), float(norm_type), self._comm)
+        with phase("clip_grad_norm"):
+            self._reducer.finish_all()
+            self.wait_params()
+            return self._stepper.clip(self._buckets, float(max_norm), float(norm_type), self._comm)
 
     # ------------------------------------------------------------------ state
     def optimizer_state_dict(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at
 # registration and needs the real classes (see _torch_compat).
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer
 from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._ownership import _apply_partition, _ddp_params, _planned_partition
+from shardkit.overlap._ranges import phase
 from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
 from shardkit.overlap._validation import (
     _agree_registration,
@@ -25,6 +27,10 @@ from shardkit.overlap._validation import (
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["CommHook", "ZeroOverlap"]
+
+logger = logging.getLogger("shardkit.overlap")
+_logged_loop_step = False
+_logged_deferred = False
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 """A DDP communication hook: ``(state, bucket) -> Future`` of the reduced flat gradients."""
@@ -194,7 +200,12 @@ class ZeroOverlap:
             _check_groups(ddp, zero)
             _check_params(_ddp_params(ddp), zero)
             signature = _registration_signature(
-                zero, ddp, hook, config.interleaved, config.shard_buckets, loop_step,
+                zero,
+                ddp,
+                hook,
+                config.interleaved,
+                config.shard_buckets,
+                loop_step,
                 config.reduce_to_owner,
             )
         except Exception as exc:
@@ -221,7 +232,7 @@ class ZeroOverlap:
         self._rank = zero.rank
         self._layout: object = None
         self._owner: dict[int, int] = {}
-        self._pending: list[tuple[list[torch.Tensor], torch.futures.Future[Any]]] = []
+        self._pending: list[tuple[int, list[torch.Tensor], torch.futures.Future[Any]]] = []
         self._works: list[dist.Work] = []
         self._next_index = 0
         self._stepped = False
@@ -231,8 +242,38 @@ class ZeroOverlap:
         mode only)."""
         if not loop_step:
             zero._attach_stepper(f"the shardkit-overlap hook {self.__name__}")
+        self._log_placement(max_grad_norm)
         _BY_OPTIMIZER[zero] = self
         _BY_DDP[ddp] = self
+
+    def _log_placement(self, max_grad_norm: float | None) -> None:
+        """Logs once per process when the step leaves the hooks (see [Note: Step placement])."""
+        global _logged_loop_step, _logged_deferred
+        if self._loop_step and not _logged_loop_step:
+            _logged_loop_step = True
+            why = " and ".join(
+                w
+                for w, on in (
+                    (
+                        "an enabled grad scaler",
+                        self._scaler is not None and self._scaler.is_enabled(),
+                    ),
+                    (f"max_grad_norm={max_grad_norm}", max_grad_norm is not None),
+                )
+                if on
+            )
+            logger.info(
+                "shardkit.overlap: %s declared, so the hooks only reduce and the sharded step "
+                "runs in the training loop after backward (exact, not overlapped; logged once)",
+                why,
+            )
+        if self._deferred and not _logged_deferred:
+            _logged_deferred = True
+            logger.info(
+                "shardkit.overlap: DDP has find_unused_parameters=True, so the sharded step "
+                "runs once after backward instead of per bucket (exact, not overlapped; "
+                "logged once)"
+            )
 
     # ------------------------------------------------------------------ public
     @property
@@ -294,24 +335,26 @@ class ZeroOverlap:
             )
         self._next_index = index + 1
         if self._closed or self._loop_step:
-            return self._hook(state, bucket)
-        if self.config.reduce_to_owner:
-            fut = self._reduce_to_owners(bucket)  # See [Note: Reduce to owner].
-        else:
-            fut = self._hook(state, bucket)
+            with phase("reduce", index):  # See [Note: Profiler ranges] in _ranges.
+                return self._hook(state, bucket)
+        with phase("reduce", index):
+            if self.config.reduce_to_owner:
+                fut = self._reduce_to_owners(bucket)  # See [Note: Reduce to owner].
+            else:
+                fut = self._hook(state, bucket)
         if self._deferred:
             # See [Note: Unused parameters].
             if index == 0:
                 _queue_backward_callback(self._queue_deferred_step)
             return fut
-        self._pending.append((bucket.parameters(), fut))
+        self._pending.append((index, bucket.parameters(), fut))
         last = bucket.is_last()
         # See [Note: Gloo-safe scheduling].
         if self.config.interleaved or last:
             keep = 0 if last else _INTERLEAVE_LAG
             while len(self._pending) > keep:
-                params, done = self._pending.pop(0)
-                self._step_and_broadcast(params, done)
+                done_index, params, done = self._pending.pop(0)
+                self._step_and_broadcast(done_index, params, done)
         if not last:
             return fut
         self._next_index = 0
@@ -404,12 +447,13 @@ class ZeroOverlap:
         return torch.futures.collect_all(futs).then(_finish)
 
     def _step_and_broadcast(
-        self, params: Sequence[torch.Tensor], fut: torch.futures.Future[Any]
+        self, index: int, params: Sequence[torch.Tensor], fut: torch.futures.Future[Any]
     ) -> None:
         owners = [self._owner[id(p)] for p in params]
         if self._rank in owners:
             try:
-                result = fut.wait()
+                with phase("wait", index):
+                    result = fut.wait()
             except Exception as exc:  # See [Note: Collective failures in the hooks].
                 raise _collective_failed(exc, "a gradient reduction") from exc
             flat = result if isinstance(result, torch.Tensor) else result[0]
@@ -424,13 +468,15 @@ class ZeroOverlap:
                         saved.append((p, p.grad))
                         p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                     offset += n
-                self.zero._step_local([p for p, _ in saved])
+                with phase("local_step", index):
+                    self.zero._step_local([p for p, _ in saved])
             finally:
                 for p, g0 in saved:
                     p.grad = g0
         # One broadcast per (bucket, owner) run of the flat buffers; see [Note: Gloo-safe
         # scheduling].
-        self._works.extend(self.zero._sync_params(params, async_op=True))
+        with phase("sync", index):
+            self._works.extend(self.zero._sync_params(params, async_op=True))
 
     def _queue_deferred_step(self) -> None:
         _queue_backward_callback(self._deferred_step)
@@ -445,8 +491,10 @@ class ZeroOverlap:
     # ``.grad`` is final, and performs the sharded step and broadcast there. The result is exact;
     # the overlap is lost for such models (reductions still overlap backward as usual).
     def _deferred_step(self) -> None:
-        self.zero._step_local()
-        self.zero._sync_params()
+        with phase("local_step"):
+            self.zero._step_local()
+        with phase("sync"):
+            self.zero._sync_params()
         self._next_index = 0
         self._stepped = True
         self.zero._mark_stepped()

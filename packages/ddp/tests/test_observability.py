@@ -1,0 +1,148 @@
+"""Profiler ranges and once-only logs of ``shardkit.ddp`` (see [Note: Profiler ranges] in
+``shardkit.ddp._ranges``).
+
+Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes), so they attach
+a list handler to the ``shardkit.ddp`` logger, which is what ``caplog`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from shardkit.ddp import ShardedDataParallel
+from shardkit.optim import ShardedOptimizer
+from shardkit.testing import world
+from torch import nn
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def matching(self, text: str) -> list[str]:
+        return [r.getMessage() for r in self.records if text in r.getMessage()]
+
+
+@contextmanager
+def _captured() -> Iterator[_Records]:
+    log = logging.getLogger("shardkit.ddp")
+    handler, level = _Records(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _wrapped(**kwargs: object) -> tuple[ShardedDataParallel, ShardedOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    return ShardedDataParallel(model, opt, reduce_buffer_size=0, **kwargs), opt  # type: ignore[arg-type]
+
+
+def _step(sdp: ShardedDataParallel, opt: ShardedOptimizer, clip: bool = False) -> None:
+    sdp(torch.randn(3, 5)).square().mean().backward()
+    if clip:
+        opt.clip_grad_norm(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+@world(2)
+def test_step_phases_show_in_a_profiler_trace() -> None:
+    sdp, opt = _wrapped()
+    _step(sdp, opt)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(sdp, opt, clip=True)
+    names = {e.key for e in prof.key_averages()}
+    buckets = len(sdp._buckets)
+    assert buckets == 4  # reduce_buffer_size=0: one bucket per param
+    want = {f"shardkit.ddp.reduce_scatter[{i}]" for i in range(buckets)} | {
+        "shardkit.ddp.broadcast_buffers",
+        "shardkit.ddp.step",
+        "shardkit.ddp.wait",
+        "shardkit.ddp.local_step",
+        "shardkit.ddp.all_gather",
+        "shardkit.ddp.clip_grad_norm",
+    }
+    assert want <= names, sorted(want - names)
+
+
+@world(2)
+def test_deferred_param_gathers_show_in_a_profiler_trace() -> None:
+    sdp, opt = _wrapped(overlap_param_gather=True)
+    _step(sdp, opt)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sdp(torch.randn(3, 5))  # forward pre-hooks wait for their own buckets' gathers
+    names = {e.key for e in prof.key_averages()}
+    assert {f"shardkit.ddp.wait_params[{i}]" for i in range(4)} <= names, sorted(names)
+
+
+@world(2)
+def test_no_range_is_opened_without_a_profiler() -> None:
+    """Ranges cost ~1-10 us each on a per-bucket path: none is opened when nobody profiles."""
+    import shardkit.ddp._ranges as ranges
+
+    opened: list[str] = []
+
+    class _Spy(torch.profiler.record_function):
+        def __init__(self, name: str) -> None:
+            opened.append(name)
+            super().__init__(name)
+
+    sdp, opt = _wrapped()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ranges.torch.profiler, "record_function", _Spy)
+        _step(sdp, opt, clip=True)
+        assert opened == []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            _step(sdp, opt)
+    assert "shardkit.ddp.local_step" in opened
+
+
+@world(2)
+def test_gloo_list_collectives_fallback_is_logged_once() -> None:
+    import shardkit.ddp._comm as comm
+
+    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+        mp.setattr(comm, "_logged_gloo_lists", False)
+        for _ in range(2):
+            sdp, opt = _wrapped()
+            _step(sdp, opt)
+    found = logs.matching("using the list forms of reduce_scatter / all_gather")
+    assert len(found) == 1, found
+
+
+@world(2)
+def test_extra_staging_buffer_is_logged_once() -> None:
+    """Three buckets receive gradients at once (the earliest-planned bucket waits for a param
+    this backward does not use until the end): a third staging buffer, logged once."""
+    import shardkit.ddp._reducer as reducer
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(4)])
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
+    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+        mp.setattr(reducer, "_warned_extra_staging", False)
+        for _ in range(2):
+            x = torch.randn(2, 4)
+            for layer in model[:3]:  # model[3] unused: bucket 0 (last registered) waits
+                x = layer(x)
+            x.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    found = logs.matching("allocating another staging buffer")
+    assert len(found) == 1, found
+    assert sdp.memory_bytes()["staging"] > 2 * 16 * 4  # more than two 4x4 fp32 buckets

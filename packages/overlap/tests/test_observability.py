@@ -1,0 +1,176 @@
+"""Profiler ranges (see [Note: Profiler ranges] in ``shardkit.overlap._ranges``) and the
+once-only logs of the step placements that leave the hooks ([Note: Step placement]).
+
+Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes), so they attach
+a list handler to the ``shardkit.overlap`` logger, which is what ``caplog`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedGradScaler, ShardedOptimizer
+from shardkit.overlap import ZeroOverlap, register_zero_overlap
+from shardkit.testing import world
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+CAP_MB = 0.0006  # ~600 bytes: several buckets once DDP rebuilds them
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def matching(self, text: str) -> list[str]:
+        return [r.getMessage() for r in self.records if text in r.getMessage()]
+
+
+@contextmanager
+def _captured() -> Iterator[_Records]:
+    log = logging.getLogger("shardkit.overlap")
+    handler, level = _Records(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+    )
+
+
+def _setup(**kwargs: Any) -> tuple[DDP, ZeroOverlap]:
+    find_unused = kwargs.pop("find_unused_parameters", False)
+    ddp = DDP(_net(), bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused)
+    zero = ShardedOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+    return ddp, register_zero_overlap(ddp, zero, **kwargs)
+
+
+def _step(ddp: DDP, overlap: ZeroOverlap) -> None:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
+    overlap.step()
+    overlap.zero.zero_grad()
+
+
+@world(2)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_hook_phases_show_in_a_profiler_trace(interleaved: bool) -> None:
+    ddp, overlap = _setup(interleaved=interleaved)
+    _step(ddp, overlap)  # DDP rebuilds its buckets after the first iteration
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(ddp, overlap)
+    names = {e.key for e in prof.key_averages()}
+    buckets = sorted(int(n[len("shardkit.overlap.reduce[") : -1]) for n in names
+                     if n.startswith("shardkit.overlap.reduce["))  # fmt: skip
+    assert len(buckets) >= 2 and buckets == list(range(len(buckets))), sorted(names)
+    want = {f"shardkit.overlap.{p}[{i}]" for p in ("reduce", "sync") for i in buckets}
+    want |= {"shardkit.overlap.wait[0]", "shardkit.overlap.local_step[0]"}  # rank-owned
+    if dist.get_rank() == 0:  # bucket 0 (the last layers) belongs to rank 0 here
+        assert want <= names, sorted(want - names)
+    else:
+        assert {n for n in want if "reduce" in n or "sync" in n} <= names, sorted(names)
+        assert any(n.startswith("shardkit.overlap.local_step[") for n in names), sorted(names)
+
+
+@world(2)
+def test_deferred_step_phases_show_in_a_profiler_trace() -> None:
+    ddp, overlap = _setup(find_unused_parameters=True)
+    _step(ddp, overlap)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(ddp, overlap)
+    names = {e.key for e in prof.key_averages()}
+    want = {"shardkit.overlap.reduce[0]", "shardkit.overlap.local_step", "shardkit.overlap.sync"}
+    assert want <= names, sorted(want - names)
+
+
+@world(2)
+def test_no_range_is_opened_without_a_profiler() -> None:
+    import shardkit.overlap._ranges as ranges
+
+    opened: list[str] = []
+
+    class _Spy(torch.profiler.record_function):
+        def __init__(self, name: str) -> None:
+            opened.append(name)
+            super().__init__(name)
+
+    ddp, overlap = _setup()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ranges.torch.profiler, "record_function", _Spy)
+        _step(ddp, overlap)
+        assert opened == []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            _step(ddp, overlap)
+    assert "shardkit.overlap.reduce[0]" in opened
+
+
+@world(2)
+def test_step_placements_outside_the_hooks_are_logged_once() -> None:
+    import shardkit.overlap._overlap as ov
+
+    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+        mp.setattr(ov, "_logged_loop_step", False)
+        mp.setattr(ov, "_logged_deferred", False)
+        for _ in range(2):
+            ddp, overlap = _setup()  # per-bucket step: nothing logged
+            overlap.close()
+        assert logs.records == []
+        for _ in range(2):
+            ddp, overlap = _setup(max_grad_norm=1.0)
+            _step(ddp, overlap)
+        scaler = ShardedGradScaler("cpu", group=overlap.zero.group)
+        _setup(grad_scaler=scaler)
+        for _ in range(2):
+            ddp, overlap = _setup(find_unused_parameters=True)
+            _step(ddp, overlap)
+    loop = logs.matching("runs in the training loop after backward")
+    assert len(loop) == 1 and "max_grad_norm=1.0" in loop[0], loop
+    deferred = logs.matching("find_unused_parameters=True, so the sharded step runs once")
+    assert len(deferred) == 1, deferred
+
+
+def test_profiling_flag_follows_the_profiler() -> None:
+    """Pins torch.autograd.profiler._is_profiler_enabled (see _torch_compat.py): set by both
+    profiler entry points while they run, process-wide."""
+    from shardkit.overlap._torch_compat import profiling
+
+    assert profiling() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert profiling() is True
+    assert profiling() is False
+    with torch.autograd.profiler.profile():
+        assert profiling() is True
+    assert profiling() is False
+
+
+def test_profiling_without_the_flag_opens_ranges_and_logs_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardkit.overlap._torch_compat as compat
+
+    monkeypatch.setattr(compat, "_logged_no_flag", False)
+    monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
+    with caplog.at_level(logging.INFO, logger="shardkit.overlap"):
+        assert compat.profiling() is True and compat.profiling() is True
+    found = [
+        r.getMessage() for r in caplog.records if "_is_profiler_enabled is gone" in r.getMessage()
+    ]
+    assert len(found) == 1, found
