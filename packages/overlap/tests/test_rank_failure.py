@@ -104,7 +104,8 @@ def test_reduce_to_owner():
 
 def test_rank_killed_in_hook_reports_the_real_cause(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(_INNER)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    # -rN: no short summary (under CI=true pytest does not truncate it, which would count twice).
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-rN")
     out = result.stdout.str()
     result.assert_outcomes(failed=3)
     # Each test failed only because its victim died; the survivor's checks all passed.
