@@ -120,6 +120,7 @@ def register_zero_overlap(
         RuntimeError: a hook was already built for ``ddp`` or ``zero``, or DDP refuses a
             second comm hook.
 
+    Note:
         Every error is raised on every rank of ``zero.group``, within one collective, whichever
         rank found it (see [Note: Registration agreement]). If DDP refused the hook on some
         ranks only, the others keep it registered but closed: it then only reduces, like the
