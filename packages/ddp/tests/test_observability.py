@@ -1,47 +1,18 @@
 """Profiler ranges and once-only logs of ``shardkit.ddp`` (see [Note: Profiler ranges] in
 ``shardkit.ddp._ranges``).
 
-Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes), so they attach
-a list handler to the ``shardkit.ddp`` logger, which is what ``caplog`` does.
+Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
+``shardkit.testing.captured_logs("shardkit.ddp")`` does its job there.
 """
 
 from __future__ import annotations
-
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 from shardkit.ddp import ShardedDataParallel
 from shardkit.optim import ShardedOptimizer
-from shardkit.testing import world
+from shardkit.testing import captured_logs, world
 from torch import nn
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def matching(self, text: str) -> list[str]:
-        return [r.getMessage() for r in self.records if text in r.getMessage()]
-
-
-@contextmanager
-def _captured() -> Iterator[_Records]:
-    log = logging.getLogger("shardkit.ddp")
-    handler, level = _Records(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def _wrapped(**kwargs: object) -> tuple[ShardedDataParallel, ShardedOptimizer]:
@@ -115,7 +86,7 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 def test_gloo_list_collectives_fallback_is_logged_once() -> None:
     import shardkit.ddp._comm as comm
 
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.ddp") as logs:
         mp.setattr(comm, "_logged_gloo_lists", False)
         for _ in range(2):
             sdp, opt = _wrapped()
@@ -134,7 +105,7 @@ def test_extra_staging_buffer_is_logged_once() -> None:
     model = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(4)])
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
     sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.ddp") as logs:
         mp.setattr(reducer, "_warned_extra_staging", False)
         for _ in range(2):
             x = torch.randn(2, 4)

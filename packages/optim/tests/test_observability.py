@@ -2,49 +2,21 @@
 torch.distributed.checkpoint.state_dict relies on (implicit consolidation, state truthiness,
 named param ids).
 
-Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes), so they attach
-a list handler to the ``shardkit.optim`` logger, which is what ``caplog`` does.
+Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
+``shardkit.testing.captured_logs("shardkit.optim")`` does its job there.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 from _optim_testkit import assert_state_equal, train
 from shardkit.optim import ShardedOptimizer
-from shardkit.testing import world
+from shardkit.testing import captured_logs, world
 from torch import nn
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def matching(self, text: str) -> list[str]:
-        return [r.getMessage() for r in self.records if text in r.getMessage()]
-
-
-@contextmanager
-def _captured() -> Iterator[_Records]:
-    log = logging.getLogger("shardkit.optim")
-    handler, level = _Records(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def _model() -> nn.Module:
@@ -78,7 +50,7 @@ def test_blocked_step_turned_off_by_its_probe_is_logged_once() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # 16 KiB weights: blocks
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(blocked, "_PROBE_RESULTS", {})
         mp.setattr(blocked, "_run_probe", lambda *a: False)
         opt = ShardedOptimizer(
@@ -96,7 +68,7 @@ def test_repartition_and_implicit_consolidation_are_logged_once() -> None:
 
     model = _model()
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(so, "_logged_repartition", False)
         mp.setattr(sd, "_logged_implicit", False)
         train(model, opt, 1)
@@ -210,7 +182,7 @@ def test_params_moved_by_module_to_are_reattached_and_logged_once() -> None:
     storage = next(model.parameters()).untyped_storage().data_ptr()
     model.to(torch.device("cpu", 0))
     assert next(model.parameters()).untyped_storage().data_ptr() != storage  # it copied
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(sync, "_logged_reattach", False)
         train(model, opt, 3, start=1)
         model.to(torch.device("cpu", 0))

@@ -1,15 +1,13 @@
 """Profiler ranges (see [Note: Profiler ranges] in ``shardkit.overlap._ranges``) and the
 once-only logs of the step placements that leave the hooks ([Note: Step placement]).
 
-Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes), so they attach
-a list handler to the ``shardkit.overlap`` logger, which is what ``caplog`` does.
+Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
+``shardkit.testing.captured_logs("shardkit.overlap")`` does its job there.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -17,36 +15,11 @@ import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedGradScaler, ShardedOptimizer
 from shardkit.overlap import ZeroOverlap, register_zero_overlap
-from shardkit.testing import world
+from shardkit.testing import captured_logs, world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 CAP_MB = 0.0006  # ~600 bytes: several buckets once DDP rebuilds them
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def matching(self, text: str) -> list[str]:
-        return [r.getMessage() for r in self.records if text in r.getMessage()]
-
-
-@contextmanager
-def _captured() -> Iterator[_Records]:
-    log = logging.getLogger("shardkit.overlap")
-    handler, level = _Records(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def _net() -> nn.Module:
@@ -126,7 +99,7 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 def test_step_placements_outside_the_hooks_are_logged_once() -> None:
     import shardkit.overlap._overlap as ov
 
-    with pytest.MonkeyPatch.context() as mp, _captured() as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.overlap") as logs:
         mp.setattr(ov, "_logged_loop_step", False)
         mp.setattr(ov, "_logged_deferred", False)
         for _ in range(2):

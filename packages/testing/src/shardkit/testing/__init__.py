@@ -14,14 +14,17 @@ from shardkit.testing.__about__ import __version__
 from shardkit.testing._config import DEFAULT_TIMEOUT_S, MAX_WORLD_SIZE, WorldSpec
 from shardkit.testing._decorator import free_port, world
 from shardkit.testing._devices import rank_cuda_device
+from shardkit.testing._logs import LogCapture, captured_logs
 from shardkit.testing._world import WorldStartError, pool
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_WORLD_SIZE",
+    "LogCapture",
     "WorldSpec",
     "WorldStartError",
     "__version__",
+    "captured_logs",
     "free_port",
     "pool",
     "rank_cuda_device",
