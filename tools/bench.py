@@ -175,13 +175,31 @@ def _machine(data: dict[str, Any]) -> str:
     )
 
 
+_QUARTILES = ("_q1", "_q3")
+
+
+def _quartile_of(key: str, info: dict[str, Any]) -> bool:
+    """Whether ``key`` is ``<ratio>_q1`` / ``<ratio>_q3`` of a ratio ``<ratio>`` in ``info``:
+    shown with that ratio (whiskers, a range), not as a ratio of its own."""
+    return key.endswith(_QUARTILES) and key[:-3] in info
+
+
 def _ratios(benches: list[dict[str, Any]]) -> list[tuple[str, str, float]]:
     return [
         (_short(b["name"]), k, float(v))
         for b in benches
         for k, v in b.get("extra_info", {}).items()
-        if _is_ratio(k) and _finite(v)
+        if _is_ratio(k) and _finite(v) and not _quartile_of(k, b.get("extra_info", {}))
     ]
+
+
+def _ratio_range(benches: list[dict[str, Any]], name: str, key: str) -> tuple[float, float] | None:
+    """The quartiles recorded beside ratio ``key`` of benchmark ``name`` (``<key>_q1/_q3``)."""
+    for b in benches:
+        info = b.get("extra_info", {})
+        if _short(b["name"]) == name and all(_finite(info.get(key + q)) for q in _QUARTILES):
+            return float(info[key + "_q1"]), float(info[key + "_q3"])
+    return None
 
 
 def _timed(benches: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -199,7 +217,9 @@ def _ratio_table(benches: list[dict[str, Any]]) -> list[str]:
     previous = None
     for name, key, value in rows:
         shown = f"`{name}`" if name != previous else ""
-        out.append(f"| {shown} | `{key}` | {_fmt_ratio(value)} |")
+        quartiles = _ratio_range(benches, name, key)
+        spread = "" if quartiles is None else " ({} to {})".format(*map(_fmt_ratio, quartiles))
+        out.append(f"| {shown} | `{key}` | {_fmt_ratio(value)}{spread} |")
         previous = name
     return [*out, ""]
 
@@ -342,17 +362,25 @@ def _plot(json_path: Path, data: dict[str, Any], png: Path, title: str) -> bool:
         if panel == "ratios":
             labels = [f"{name}: {key}" for name, key, _ in ratios]
             values = [v for _, _, v in ratios]
+            ranges = [_ratio_range(benches, name, key) for name, key, _ in ratios]
+            err = [
+                [v - r[0] if r else 0.0 for v, r in zip(values, ranges, strict=True)],
+                [r[1] - v if r else 0.0 for v, r in zip(values, ranges, strict=True)],
+            ]
             y = range(len(values))
-            ax.barh(y, values, color="tab:blue")  # whether higher is better depends on the ratio
+            # whether higher is better depends on the ratio; whiskers: recorded quartiles
+            ax.barh(y, values, xerr=err, color="tab:blue", ecolor="0.3", capsize=2)
             ax.axvline(1.0, color="0.2", lw=1, ls="--")
             ax.set_yticks(list(y), labels, fontsize=7)
             ax.invert_yaxis()
             if max(values) / max(min(values), 1e-12) > 50:
                 ax.set_xscale("log")
-            ax.set_xlabel("ratio (shardkit / reference, same run; dashed line: parity = 1)")
-            for yi, v in zip(y, values, strict=True):
-                ax.annotate(_fmt_ratio(v), (v, yi), xytext=(3, 0), textcoords="offset points",
-                            va="center", fontsize=7)  # fmt: skip
+            ax.set_xlabel(
+                "ratio (shardkit / reference, same run; dashed: parity; whiskers: quartiles)"
+            )
+            for yi, v, r in zip(y, values, ranges, strict=True):
+                ax.annotate(_fmt_ratio(v), (max(v, r[1]) if r else v, yi), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=7)  # fmt: skip
         else:
             names = [_short(b["name"]) for b in timed]
             med = [b["stats"]["median"] * 1e3 for b in timed]

@@ -52,6 +52,8 @@ def _fixture(root: Path) -> Path:
                 "stats": _stats(52.1, 1),
                 "extra_info": {
                     "step_ratio_vs_ddp": 0.8144,
+                    "step_ratio_vs_ddp_q1": 0.7,
+                    "step_ratio_vs_ddp_q3": 0.9,
                     "consolidation_speedup_ratio_vs_fairscale": 4.1406,
                     "broken_ratio": float("nan"),
                     "loadavg_1min": [0.2197, 1.1513],
@@ -88,7 +90,9 @@ def test_render_tables_ratios_first_no_nan(tmp_path: Path) -> None:
     absolute = section.index("### Absolute figures")
     machine = section.index("Machine: Test CPU, 2 logical cores, Linux x86_64, Python 3.11.7")
     assert ratios < absolute < machine
-    assert "| `bench_step` | `step_ratio_vs_ddp` | 0.814x |" in section
+    # Quartiles recorded beside a ratio (`<ratio>_q1/_q3`) show as its range, not as ratios.
+    assert "| `bench_step` | `step_ratio_vs_ddp` | 0.814x (0.700x to 0.900x) |" in section
+    assert "`step_ratio_vs_ddp_q1`" not in section
     assert "|  | `consolidation_speedup_ratio_vs_fairscale` | 4.14x |" in section
     assert "broken_ratio" not in section  # a NaN ratio was not measured: left out
     # The per-implementation table: units from the key names, '-' where nothing was measured.

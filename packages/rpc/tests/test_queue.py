@@ -68,40 +68,58 @@ def test_operations_never_overlap_and_none_is_lost(kinds: list[str]) -> None:
     assert queue.run(lambda: 7) == 7  # idle again: runs inline
 
 
-def test_arrival_order_and_hand_over() -> None:
-    """Queued operations run in arrival order; a `run` caller hands the queue to the next waiting
-    `run` caller and returns without running that caller's operation (its reply is not held up
-    behind later arrivals). Queued Future operations run on the holding thread."""
+def test_arrival_order_combining_and_hand_over() -> None:
+    """Queued operations run in arrival order. The holder runs every operation that was queued
+    when its own finished, `run` callers' included (each woken with its result, on the holder's
+    thread); operations queued after that are not the holder's: the next waiting `run` caller
+    is handed the queue and runs its own operation and later arrivals, so no holder serves
+    forever. See [Note: Per-optimizer serial queue]."""
     queue, ledger = SerialQueue(), _Ledger()
-    gate = threading.Event()
+    gate, late_gate = threading.Event(), threading.Event()
     returned: dict[str, float] = {}
+    ran_on: dict[str, str] = {}
 
-    def blocking(name: str, delay: float) -> None:
-        if name == "holder":
-            queue.run(lambda: gate.wait(_TIMEOUT))
-        else:
-            queue.run(ledger.op(name, delay))
+    def traced(name: str, work: Any) -> Any:
+        def run() -> Any:
+            ran_on[name] = threading.current_thread().name
+            return work()
+
+        return run
+
+    def caller(name: str, work: Any) -> None:
+        queue.run(traced(name, work))
         returned[name] = time.monotonic()
 
-    def start(name: str, delay: float, queued: int) -> threading.Thread:
-        thread = threading.Thread(target=blocking, args=(name, delay))
+    def start(name: str, work: Any, queued: int) -> threading.Thread:
+        thread = threading.Thread(target=caller, args=(name, work), name=name)
         thread.start()
         _until(lambda: len(queue._queue) == queued)
         return thread
 
-    threads = [start("holder", 0.0, 0), start("b", 0.5, 1)]
+    def b_then_hold() -> str:  # b runs on the holder's thread; "f" arrives while it runs
+        result = ledger.op("b", 0.01)()
+        threads.append(start("f", ledger.op("f"), 4))  # behind c, d, e
+        late_gate.set()
+        return result
+
+    threads = [start("holder", lambda: gate.wait(_TIMEOUT), 0)]
+    _until(lambda: queue._busy)
+    threads.append(start("b", b_then_hold, 1))
     futs = [queue.submit(ledger.op("c"))]
-    threads.append(start("d", 0.5, 3))
+    threads.append(start("d", ledger.op("d"), 3))
     futs.append(queue.submit(ledger.op("e")))
     gate.set()
-    for t in threads:
+    assert late_gate.wait(_TIMEOUT)
+    for t in list(threads):
         t.join(_TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a caller is stuck"
     assert [f.wait() for f in futs] == ["c", "e"]
-    assert [name for name, _, _ in ledger.spans] == ["b", "c", "d", "e"]
+    assert [name for name, _, _ in ledger.spans] == ["b", "c", "d", "e", "f"]
     _no_overlap(ledger.spans)
+    assert ran_on["b"] == ran_on["d"] == "holder", ran_on  # combined on the holder's thread
+    assert ran_on["f"] == "f", ran_on  # arrived later: handed over, ran on its own thread
     ends = {name: end for name, _, end in ledger.spans}
-    assert returned["holder"] < ends["b"], "the holder waited for the next caller's operation"
-    assert returned["b"] < ends["d"], "b waited for the next caller's operation"
+    assert returned["holder"] < ends["f"], "the holder served an operation queued after its turn"
     assert not queue._busy and not queue._queue
 
 

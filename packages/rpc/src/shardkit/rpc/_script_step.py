@@ -38,10 +38,10 @@ __all__ = ["script_step"]
 # Both go through the same per-parameter queue ([Note: Per-optimizer serial queue]), so mixing
 # them (and state_dict / load_state_dict) stays exact. One difference: a TorchScript function
 # cannot return a Python Future (its reply must be a TorchScript value), so a script step that
-# finds its queue busy waits for its turn on its RPC server thread (`SerialQueue.run`), where a
-# Python step only enqueues and releases it (`SerialQueue.submit`). Waiting threads cost no CPU
-# and cannot deadlock: the queue is handed to a waiting thread when its turn comes, which runs
-# its own step, and no queued operation needs another RPC thread to run. With more concurrent
+# finds its queue busy waits on its RPC server thread (`SerialQueue.run`) until the queue's
+# holder has run its step (or handed it the queue), where a Python step only enqueues and
+# releases it (`SerialQueue.submit`). Waiting threads cost no CPU and cannot deadlock: no
+# queued operation needs another RPC thread to run. With more concurrent
 # trainers on one owner than the RPC agent has server threads (`num_worker_threads`, 16 by
 # default), other requests to that owner wait for a free thread.
 #
