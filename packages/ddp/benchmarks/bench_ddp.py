@@ -7,7 +7,8 @@ Gloo on CPU, spawned ranks; model: 6 x Linear(W, W) + GELU (``SHARDKIT_BENCH_WID
   ``shardkit.ddp._comm``) counted by shardkit-ddp's communication layer over one step, against
   the same model for DDP (all-reduce of every grad: ``2(N-1)/N``) and for torch
   ZeroRedundancyOptimizer / fairscale OSS (DDP's all-reduce plus every param broadcast from
-  its owner: ``+ (N-1)/N``), world 2 and 4. The bytes Gloo actually sends are measured by
+  its owner: ``+ (N-1)/N``), world 2 and 4; and with ``reduce_fp16=True`` against DDP with
+  ``fp16_compress_hook`` (an fp16 all-reduce). The bytes Gloo actually sends are measured by
   ``wire_bytes.py`` (Gloo's reduce-scatter is not bandwidth-optimal: 2x the ring figure).
 - ``memory``: bytes per param held on rank 0 after a step (live tensors: params, grads, grad
   shards, staging buffers, optimizer state, masters), bf16 model + fp32 masters + AdamW, against
@@ -86,16 +87,23 @@ def _bytes(rank: int, world: int) -> dict[str, Any]:
     from shardkit.ddp import ShardedDataParallel
     from shardkit.optim import ShardedOptimizer
 
-    m = _model()
-    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-3)
-    sdp = ShardedDataParallel(m, opt, broadcast_buffers=False)
-    sdp(_batch(rank)).square().mean().backward()
-    opt.step()
-    stats = sdp.comm_stats
+    counted = []
+    for reduce_fp16 in (False, True):
+        m = _model()
+        opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        sdp = ShardedDataParallel(m, opt, broadcast_buffers=False, reduce_fp16=reduce_fp16)
+        sdp(_batch(rank)).square().mean().backward()
+        opt.step()
+        counted.append(sdp.comm_stats)
+    stats, fp16_stats = counted
     model_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     ring = (world - 1) / world
     ddp = 2 * ring * model_bytes
+    ddp_fp16_hook = ddp / 2  # all-reduce of the fp16-compressed gradients
     return {
+        "shardkit_fp16_reduce_bytes": fp16_stats.total_bytes(),
+        "shardkit_fp16_reduce_vs_ddp": fp16_stats.total_bytes() / ddp,
+        "shardkit_fp16_reduce_vs_ddp_fp16_hook": fp16_stats.total_bytes() / ddp_fp16_hook,
         "world": world,
         "model_bytes": model_bytes,
         "shardkit_bytes": stats.total_bytes(),
@@ -227,6 +235,12 @@ def test_bench_bytes_and_memory(benchmark: Any, world: int) -> None:
     )
     benchmark.extra_info["bytes_vs_ddp"] = results["bytes"]["shardkit_vs_ddp"]
     benchmark.extra_info["zero1_bytes_vs_ddp"] = results["bytes"]["zero1_vs_ddp"]
+    benchmark.extra_info["fp16_reduce_bytes_vs_ddp"] = results["bytes"][
+        "shardkit_fp16_reduce_vs_ddp"
+    ]
+    benchmark.extra_info["fp16_reduce_bytes_vs_ddp_fp16_hook"] = results["bytes"][
+        "shardkit_fp16_reduce_vs_ddp_fp16_hook"
+    ]
     benchmark.extra_info["bytes_per_param"] = results["memory"]["shardkit_bytes_per_param"]
     benchmark.extra_info["target_bytes_per_param"] = results["memory"]["target_bytes_per_param"]
     benchmark.extra_info["ddp_amp_bytes_per_param"] = results["memory"]["ddp_amp_bytes_per_param"]

@@ -201,16 +201,30 @@ def test_bad_input_raises() -> None:
     m = _model()
     with pytest.raises(TypeError, match="ShardedOptimizer"):
         ShardedDataParallel(m, torch.optim.SGD(m.parameters(), lr=0.1))  # type: ignore[arg-type]
-    opt = ShardedOptimizer(list(m.parameters())[:2], optim=torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="not in the optimizer"):
+    params = list(m.parameters())
+    opt = ShardedOptimizer(params[:2], optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="in no optimizer"):
         ShardedDataParallel(m, opt)
+    opt2 = ShardedOptimizer(params[1:], optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"param 0 of optimizer 1 .* is also in optimizer 0"):
+        ShardedDataParallel(m, [opt, opt2])
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="reduce_fp16"):
-        ShardedDataParallel(m, opt, reduce_fp16=True)
+    with pytest.raises(ValueError, match=r"reduce_fp16=True means reduce_dtype=torch\.float16"):
+        ShardedDataParallel(m, opt, reduce_fp16=True, reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype must be None or one of"):
+        ShardedDataParallel(m, opt, reduce_dtype=torch.int8)
+    with pytest.raises(TypeError, match="reduce_fp16 must be a bool, got str"):
+        ShardedDataParallel(m, opt, reduce_fp16="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         ShardedDataParallel(m, opt, bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="one ShardedOptimizer"):
+    with pytest.raises(ValueError, match=r"sharded_optimizer\[1\] is given twice"):
         ShardedDataParallel(m, [opt, opt])
+    with pytest.raises(ValueError, match="empty list"):
+        ShardedDataParallel(m, [])
+    sub = dist.new_group([0, 1])
+    opt3 = ShardedOptimizer(params[2:], optim=torch.optim.SGD, lr=0.1, group=sub)
+    with pytest.raises(ValueError, match="another process group"):
+        ShardedDataParallel(m, [ShardedOptimizer(params[:2], optim=torch.optim.SGD), opt3])
 
 
 @world(2)
@@ -315,3 +329,155 @@ def test_manual_reduce_after_no_sync_matches_ddp() -> None:
         sdp.reduce()
         opt.step()
     _equal(ref_m, m)
+
+
+@world(2)
+def test_reduce_fp16_matches_ddp_fp16_compress_hook() -> None:
+    """fairscale's ``reduce_fp16=True`` (``reduce_dtype=torch.float16``) on an fp32 model against
+    DDP with ``fp16_compress_hook``: at world 2, ``fp16(g) / 2`` (DDP) and ``fp16(g / 2)`` (here)
+    are the same number (halving is exact), so the runs agree bit for bit, with ``no_sync()``
+    accumulation too; the reduce-scatter moves half the fp32 bytes. (Two *synchronised*
+    backwards without a step differ in the last bits: DDP adds the second local gradient to the
+    already reduced one in ``.grad`` and compresses that sum again, this package adds the two
+    reductions.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    ref_m = _model()
+    m = copy.deepcopy(ref_m)
+    ref = DDP(ref_m)
+    ref.register_comm_hook(None, fp16_compress_hook)  # type: ignore[no-untyped-call]
+    ref_opt = torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9)
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64, reduce_fp16=True)
+    assert sdp.reduce_dtype == torch.float16
+    for step in range(4):
+        for model, o in ((ref, ref_opt), (sdp, opt)):
+            o.zero_grad()
+            if step == 3:  # accumulation: one fp16 reduction of the local sum, as DDP's
+                with model.no_sync():
+                    _loss(model, step, 1).backward()
+            _loss(model, step).backward()
+            o.step()
+        _equal(ref_m, m)
+    stats = sdp.comm_stats
+    padded = sum(b.numel for b in sdp._buckets)
+    assert stats.buffer_bytes["reduce_scatter"] == 4 * padded * 2  # fp16 on the wire
+    assert stats.buffer_bytes["all_gather"] == 4 * padded * 4  # params stay fp32
+
+
+@world(2)
+def test_bf16_model_reduced_in_fp32() -> None:
+    """``reduce_dtype=torch.float32`` on a bf16 model with fp32 masters: gradients are summed in
+    fp32 and rounded once to bf16 in the shard. Reference: the same bf16 gradients all-reduced
+    in fp32 by hand, rounded to bf16, then plain AdamW on fp32 copies of the params."""
+    m = _model().to(torch.bfloat16)
+    ref_m = copy.deepcopy(m)
+    masters = [p.detach().float().requires_grad_() for p in ref_m.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    opt = ShardedOptimizer(
+        m.parameters(), optim=torch.optim.AdamW, lr=1e-2, master_dtype=torch.float32
+    )
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64, reduce_dtype=torch.float32)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(sdp, step, dtype=torch.bfloat16).backward()
+        opt.step()
+        ref_m.zero_grad()
+        _loss(ref_m, step, dtype=torch.bfloat16).backward()
+        for p, mp in zip(ref_m.parameters(), masters, strict=True):
+            assert p.grad is not None
+            g = p.grad.float() * 0.5
+            dist.all_reduce(g)
+            mp.grad = g.to(torch.bfloat16).float()
+        ref_opt.step()
+        with torch.no_grad():
+            for p, mp in zip(ref_m.parameters(), masters, strict=True):
+                p.copy_(mp)
+        _equal(ref_m, m)
+    padded = sum(b.numel for b in sdp._buckets)
+    assert sdp.comm_stats.buffer_bytes["reduce_scatter"] == 3 * padded * 4
+
+
+def _split_optimizers(m: nn.Module) -> tuple[list[Any], list[Any]]:
+    params = list(m.parameters())
+    return params[:3], params[3:]
+
+
+@world(2)
+def test_two_optimizers_match_ddp() -> None:
+    """fairscale's ``ShardedDataParallel(model, [opt1, opt2])``: each optimizer steps and
+    gathers its own params. Two loops, both against DDP with two plain optimizers: one
+    backward then both steps (bit for bit); and fairscale's ``step(closure)`` per optimizer,
+    where the second optimizer's gradients accumulate over both closures' backwards (within
+    rtol 1e-6 / atol 1e-7: DDP adds the second local gradient to the already reduced one in
+    ``.grad`` and reduces that sum, so its float32 additions round in another order than this
+    package's sum of the two reductions)."""
+    for closures in (False, True):
+        ref_m = _model()
+        m = copy.deepcopy(ref_m)
+        ra, rb = _split_optimizers(ref_m)
+        a, b = _split_optimizers(m)
+        ref = DDP(ref_m)
+        ref_opts = [torch.optim.SGD(ra, lr=0.1, momentum=0.9), torch.optim.Adam(rb, lr=1e-2)]
+        opts = [
+            ShardedOptimizer(a, optim=torch.optim.SGD, lr=0.1, momentum=0.9),
+            ShardedOptimizer(b, optim=torch.optim.Adam, lr=1e-2),
+        ]
+        sdp = ShardedDataParallel(m, opts, reduce_buffer_size=64)
+        assert sdp.sharded_optimizers == opts
+        for step in range(3):
+            for model, os_ in ((ref, ref_opts), (sdp, opts)):
+                for o in os_:
+                    o.zero_grad()
+                if closures:
+                    for k, o in enumerate(os_):
+                        o.step(lambda model=model, k=k, s=step: _loss(model, s, k).backward())
+                else:
+                    _loss(model, step).backward()
+                    for o in os_:
+                        o.step()
+            if closures:  # see the docstring
+                for x, y in zip(m.parameters(), ref_m.parameters(), strict=True):
+                    torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+            else:
+                _equal(ref_m, m)
+        for k, o in enumerate(opts):  # per-optimizer state dicts, plain torch format
+            full = o.state_dict(all_ranks=True)
+            ref_sd = ref_opts[k].state_dict()
+            assert full["param_groups"][0]["params"] == ref_sd["param_groups"][0]["params"]
+            for i, st in ref_sd["state"].items():
+                for key, v in st.items():
+                    tol = {"rtol": 1e-5, "atol": 1e-6} if closures else {"rtol": 0, "atol": 0}
+                    torch.testing.assert_close(full["state"][i][key], v, **tol)
+        with pytest.raises(RuntimeError, match="wraps 2 optimizers"):
+            _ = sdp.sharded_optimizer
+        with pytest.raises(ValueError, match="name one"):
+            sdp.optimizer_state_dict()
+        by_object = sdp.optimizer_state_dict(opts[1])
+        by_index = sdp.optimizer_state_dict(1)
+        assert sorted(by_object["state"]) == sorted(by_index["state"]) == [0, 1, 2]
+        assert torch.equal(by_object["state"][0]["exp_avg"], by_index["state"][0]["exp_avg"])
+        with pytest.raises(ValueError, match="optimizer must be None, an index below 2"):
+            sdp.optimizer_state_dict(5)
+
+
+@world(2)
+def test_two_optimizers_clip_by_the_norm_over_both() -> None:
+    """``ddp.clip_grad_norm_`` clips by the norm over every optimizer's grads (torch's
+    ``clip_grad_norm_`` over all params); ``opt_k.clip_grad_norm`` by its own params' norm."""
+    ref_m = _model()
+    m = copy.deepcopy(ref_m)
+    _, rb = _split_optimizers(ref_m)
+    a, b = _split_optimizers(m)
+    ref = DDP(ref_m)
+    opts = [
+        ShardedOptimizer(a, optim=torch.optim.SGD, lr=0.1),
+        ShardedOptimizer(b, optim=torch.optim.SGD, lr=0.1),
+    ]
+    sdp = ShardedDataParallel(m, opts, reduce_buffer_size=64)
+    _loss(ref, 0).backward()
+    _loss(sdp, 0).backward()
+    total = torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.01)
+    torch.testing.assert_close(sdp.clip_grad_norm_(0.01), total, rtol=1e-6, atol=0)
+    own = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in rb if p.grad is not None]))
+    torch.testing.assert_close(opts[1].clip_grad_norm(1e9), own, rtol=1e-5, atol=0)

@@ -103,7 +103,9 @@ class _Bucket:
     launched: bool = False
     work: object | None = None
     out: torch.Tensor | None = None
-    """Where the in-flight reduce-scatter writes (``grad_shard`` or a temporary to add)."""
+    """Where the in-flight reduce-scatter writes (``grad_shard`` or a temporary)."""
+    add_out: bool = False
+    """Whether the temporary ``out`` is added to ``grad_shard`` (else copied into it)."""
 
     @property
     def numel(self) -> int:
@@ -137,11 +139,12 @@ def build_buckets(
     world: int,
     cap_bytes: int,
     first_cap_bytes: int,
+    first_index: int = 0,
 ) -> tuple[list[_Bucket], list[str]]:
     """Plans the buckets of every param group and re-points the params into their buffers.
 
-    Returns the buckets (in launch order: by group, then plan order) and one fingerprint string
-    per group, for the cross-rank check.
+    Returns the buckets (in launch order: by group, then plan order; indices from
+    ``first_index``) and one fingerprint string per group, for the cross-rank check.
     """
     buckets: list[_Bucket] = []
     prints: list[str] = []
@@ -171,7 +174,17 @@ def build_buckets(
                     view = flat[off : off + p.numel()].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
-            b = _Bucket(len(buckets), gi, elementwise[gi], ps, offsets, owners, shard, world, flat)
+            b = _Bucket(
+                first_index + len(buckets),
+                gi,
+                elementwise[gi],
+                ps,
+                offsets,
+                owners,
+                shard,
+                world,
+                flat,
+            )
             b.reset_backward()
             buckets.append(b)
     return buckets, prints

@@ -19,6 +19,16 @@ The reduce-scatter writes this rank's range into the bucket's ``grad_shard``; if
 already holds a gradient not yet consumed by a step (two synchronised backwards without
 ``zero_grad``), it writes into a temporary that is added when the work completes, so gradients
 accumulate as with DDP.
+
+[Note: Reduce dtype]
+With a ``reduce_dtype`` (fairscale's ``reduce_fp16=True`` is ``torch.float16``) the staging
+buffers and the reduce-scatter use that dtype for every bucket of another dtype: the hook
+writes ``grad * (1/N)`` cast to it (scaling first, so an fp32 gradient up to ``N`` times the
+fp16 maximum still fits), the collective moves ``reduce_dtype`` bytes, and the summed shard is
+cast into the bucket's ``grad_shard`` (the params' dtype) when the work completes (copied, or
+added when the shard already holds an unconsumed gradient). So fp16 reduction of an fp32 model
+halves the wire bytes and the staging memory, and costs the precision of an fp16 sum, like
+DDP's ``fp16_compress_hook``; ``reduce_dtype=torch.float32`` on a bf16 model sums in fp32.
 """
 
 from __future__ import annotations
@@ -42,9 +52,13 @@ _warned_extra_staging = False
 class _Reducer:
     """Stages gradients and issues the reduce-scatters of a list of buckets."""
 
-    def __init__(self, buckets: Sequence[_Bucket], comm: _Comm) -> None:
+    def __init__(
+        self, buckets: Sequence[_Bucket], comm: _Comm, reduce_dtype: torch.dtype | None = None
+    ) -> None:
         self.buckets = list(buckets)
         self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        """See [Note: Reduce dtype]; ``None`` reduces every bucket in its own dtype."""
         self.where: dict[int, tuple[_Bucket, int]] = {
             id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)
         }
@@ -58,13 +72,20 @@ class _Reducer:
         self._count: dict[tuple[torch.dtype, torch.device], int] = {}
         self._size: dict[tuple[torch.dtype, torch.device], int] = {}
         for b in self.buckets:
-            key = (b.dtype, b.device)
+            key = self._key(b)
             self._size[key] = max(self._size.get(key, 0), b.numel)
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
         self._gaps = {id(b): _gaps(b) for b in self.buckets}
 
     # ------------------------------------------------------------------ staging buffers
+    def wire_dtype(self, b: _Bucket) -> torch.dtype:
+        """The dtype ``b`` is staged and reduced in. See [Note: Reduce dtype]."""
+        return b.dtype if self.reduce_dtype is None else self.reduce_dtype
+
+    def _key(self, b: _Bucket) -> tuple[torch.dtype, torch.device]:
+        return (self.wire_dtype(b), b.device)
+
     def staging_bytes(self) -> int:
         """Bytes of staging buffers allocated so far."""
         return sum(
@@ -74,14 +95,10 @@ class _Reducer:
 
     def _acquire(self, b: _Bucket) -> torch.Tensor:
         global _warned_extra_staging
-        key = (b.dtype, b.device)
+        key = self._key(b)
         while not self._free[key] and self._count[key] >= _MAX_STAGING:
             holder = next(
-                (
-                    i
-                    for i, (ob, _) in enumerate(self.inflight)
-                    if ob.dtype == b.dtype and ob.device == b.device
-                ),
+                (i for i, (ob, _) in enumerate(self.inflight) if self._key(ob) == key),
                 None,
             )
             if holder is None:
@@ -93,7 +110,7 @@ class _Reducer:
                         "waits for params unused in this pass); allocating another staging "
                         "buffer of %d elements",
                         _MAX_STAGING,
-                        b.dtype,
+                        key[0],
                         self._size[key],
                     )
                 break
@@ -101,7 +118,7 @@ class _Reducer:
         if self._free[key]:
             buf = self._free[key].pop()
         else:
-            buf = torch.empty(self._size[key], dtype=b.dtype, device=b.device)
+            buf = torch.empty(self._size[key], dtype=key[0], device=b.device)
             self._count[key] += 1
         view = buf[: b.numel]
         for start, end in self._gaps[id(b)]:
@@ -111,7 +128,7 @@ class _Reducer:
     def _release(self, b: _Bucket) -> None:
         if b.staging is not None:
             base = b.staging._base if b.staging._base is not None else b.staging
-            self._free[(b.dtype, b.device)].append(base)
+            self._free[self._key(b)].append(base)
             b.staging = None
 
     # ------------------------------------------------------------------ backward
@@ -140,8 +157,10 @@ class _Reducer:
         view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
         if grad is None:
             view.zero_()
-        else:
+        elif view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
             torch.mul(grad.detach(), self.scale, out=view)
+        else:  # a wider reduce dtype: upcast first, scale in it ([Note: Reduce dtype])
+            view.copy_(grad.detach()).mul_(self.scale)
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets) and not self.buckets[self.next_launch].pending:
@@ -152,8 +171,13 @@ class _Reducer:
         assert b.staging is not None  # every param staged (possibly zeros) before launch
         if b.grad_shard is None:
             b.grad_shard = torch.zeros(b.shard, dtype=b.dtype, device=b.device)
-        out = b.grad_shard if b.grad_fresh else torch.empty_like(b.grad_shard)
+        wire = self.wire_dtype(b)
+        if wire == b.dtype and b.grad_fresh:
+            out = b.grad_shard
+        else:  # a temporary, copied or added into the shard when done ([Note: Reduce dtype])
+            out = torch.empty(b.shard, dtype=wire, device=b.device)
         b.out = out
+        b.add_out = not b.grad_fresh
         b.grad_fresh = False
         b.launched = True
         with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
@@ -176,7 +200,10 @@ class _Reducer:
         b, pending = self.inflight.pop(index)
         self.comm.wait(pending)
         if b.out is not None and b.grad_shard is not None and b.out is not b.grad_shard:
-            b.grad_shard.add_(b.out)
+            if b.add_out:
+                b.grad_shard.add_(b.out)
+            else:
+                b.grad_shard.copy_(b.out)
         b.out = None
         self._release(b)
 
@@ -188,13 +215,10 @@ class _Reducer:
             while self.inflight:
                 self._finish(0)
 
-    def has_grads(self) -> bool:
-        """Whether any bucket holds a reduced gradient not consumed yet."""
-        return any(not b.grad_fresh for b in self.buckets)
-
-    def consume(self) -> None:
-        """Marks every grad shard consumed (after a step or ``zero_grad``)."""
-        for b in self.buckets:
+    def consume(self, buckets: Sequence[_Bucket] | None = None) -> None:
+        """Marks the grad shards of ``buckets`` (default: all) consumed (after a step or
+        ``zero_grad``)."""
+        for b in self.buckets if buckets is None else buckets:
             b.grad_fresh = True  # the next reduce-scatter overwrites the shard
 
 

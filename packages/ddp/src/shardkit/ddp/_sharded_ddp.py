@@ -1,52 +1,24 @@
 """``ShardedDataParallel``: ZeRO-2 data parallelism that moves exactly DDP's bytes.
 
-[Note: Optimizer hand-over]
-The training loop keeps calling the ``ShardedOptimizer``'s ``step()``, ``zero_grad()``,
-``clip_grad_norm()`` and ``state_dict()``, but once wrapped its params' gradients live in this
-module's grad shards, not in ``.grad``. So at construction this module takes the optimizer over:
-
-- it attaches as the optimizer's external stepper (shardkit-optim's [Note: External stepper])
-  and registers a step pre-hook (public ``register_step_pre_hook``) that waits for the
-  reductions, steps the local shards, all-gathers the params and marks the step taken; the
-  optimizer's own ``step()`` then only runs its per-step agreement (hyper-parameters equal on
-  every rank) and consumes the mark;
-- ``zero_grad``, ``clip_grad_norm``, ``consolidate_state_dict``, ``state_dict`` and
-  ``load_state_dict`` are replaced *on that instance* by this module's versions, and
-  ``add_param_group`` / ``refresh_trainable`` / ``set_partition`` raise (the bucket layout is
-  fixed at construction); ``local_state_dict`` (then collective) and the layout's ``owned``
-  are replaced so that shardkit-optim's ``save_sharded`` / ``load_sharded`` work exactly (see
-  [Note: DCP sharded checkpoints] in ``shardkit.ddp._state_dict``);
-- ``ShardedGradScaler``'s hooks (``_unscale_for_scaler``, ``_drop_grad_factors``, see
-  shardkit-optim's [Note: Master weights]) are replaced too, so the scaler checks and unscales
-  the reduced grad shards (``_Stepper.unscale``) and its found-inf, agreed over the group,
-  skips the step on every rank;
-- the optimizer's own master copies (``master_dtype``) are released: the masters live with the
-  shards here.
-
-``close()`` undoes none of it (the params stay views of the flat buffers); the optimizer is
-meant to be used through this module from then on.
+How the wrapped optimizers are driven: [Note: Optimizer hand-over] in ``shardkit.ddp._handover``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import types
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from shardkit.ddp._comm import CommStats, _Comm, _Pending
-from shardkit.ddp._layout import build_buckets, is_elementwise
+from shardkit.ddp._handover import _Unit, take_over
+from shardkit.ddp._layout import _Bucket, build_buckets, is_elementwise
 from shardkit.ddp._ranges import phase
 from shardkit.ddp._reducer import _Reducer
-from shardkit.ddp._state_dict import (
-    _ElementRangeLayout,
-    checkpoint_shard,
-    full_state_dict,
-    load_full_state_dict,
-)
+from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
 from shardkit.ddp._stepper import _Stepper
 from shardkit.optim import ShardedOptimizer
 from shardkit.partition import all_gather_objects, check_consistent
@@ -55,7 +27,7 @@ from torch import nn
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger("shardkit.ddp")
-_STEPPER_NAME = "shardkit.ddp.ShardedDataParallel"
+_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class ShardedDataParallel(nn.Module):
@@ -66,14 +38,16 @@ class ShardedDataParallel(nn.Module):
     Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
     the optimizer state (and of the fp32 masters with ``master_dtype``), plus two staging
     buckets. See [Note: Owner-contiguous buckets] (``shardkit.ddp._layout``) for the layout and
-    [Note: Optimizer hand-over] for how the optimizer is driven.
+    [Note: Optimizer hand-over] (``shardkit.ddp._handover``) for how the optimizers are driven.
 
     Args:
         module: the model, already on its device, identical on every rank (or synchronised
             with ``sync_models_at_startup``).
         sharded_optimizer: a ``shardkit.optim.ShardedOptimizer`` (or ``OSS``) over the
-            module's params (a list of exactly one is accepted, as in fairscale).
-        process_group: must be ``None`` or the optimizer's group.
+            module's trainable params, or a list of them over disjoint params (fairscale's
+            several optimizers), all over the same process group; each one's ``step()`` steps
+            and gathers its own params.
+        process_group: must be ``None`` or the optimizers' group.
         broadcast_buffers: broadcast rank 0's buffers before every forward, like DDP.
         sync_models_at_startup: broadcast rank 0's params and buffers at construction.
         reduce_buffer_size: fairscale's bucket size in elements (fp32, 4 bytes each); ``None``
@@ -81,7 +55,7 @@ class ShardedDataParallel(nn.Module):
         auto_refresh_trainable: accepted for fairscale compatibility; a change of
             ``requires_grad`` after construction (on any rank) raises at the next step on
             every rank.
-        reduce_fp16: not supported (gradients are reduced in the params' dtype); must be False.
+        reduce_fp16: fairscale's flag: ``True`` is ``reduce_dtype=torch.float16``.
         warn_on_trainable_params_changed: accepted for fairscale compatibility.
         bucket_cap_mb: bucket cap in MiB (DDP's default 25).
         first_bucket_cap_mb: cap of the first bucket of each group (DDP's 1), so the first
@@ -98,6 +72,11 @@ class ShardedDataParallel(nn.Module):
             :meth:`wait_params` first; ``state_dict()`` of this module and of the wrapped
             module, the optimizer's state dicts, clipping and the next step wait by
             themselves. See [Note: Deferred param gather].
+        reduce_dtype: the dtype gradients are staged and reduce-scattered in (``None``: each
+            bucket's own dtype). ``torch.float16`` / ``torch.bfloat16`` on an fp32 model halve
+            the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
+            ``torch.float32`` on a bf16 model sums in fp32. The reduced shard is kept in the
+            params' dtype. See [Note: Reduce dtype] in ``shardkit.ddp._reducer``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or the optimizer not a ShardedOptimizer.
@@ -108,7 +87,7 @@ class ShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        sharded_optimizer: ShardedOptimizer | list[ShardedOptimizer],
+        sharded_optimizer: ShardedOptimizer | Sequence[ShardedOptimizer],
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
@@ -121,52 +100,70 @@ class ShardedDataParallel(nn.Module):
         first_bucket_cap_mb: float = 1.0,
         elementwise: bool | None = None,
         overlap_param_gather: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        opt = _one_optimizer(sharded_optimizer)
-        if process_group is not None and process_group is not opt.group:
+        opts = _optimizers(sharded_optimizer)
+        if process_group is not None and process_group is not opts[0].group:
             raise ValueError(
                 "process_group must be None or the ShardedOptimizer's group: gradients are "
                 "reduced over the group the optimizer shards over. Build the optimizer with "
                 "group=process_group."
             )
-        if reduce_fp16:
-            raise ValueError(
-                "reduce_fp16=True is not supported: gradients are reduced in the params' own "
-                "dtype (keep a bf16/fp16 model with master_dtype=torch.float32 on the "
-                "optimizer to reduce half-precision gradients). Pass reduce_fp16=False."
-            )
+        reduce_dtype = _reduce_dtype(reduce_fp16, reduce_dtype)
         if elementwise is not None and not isinstance(elementwise, bool):
             raise TypeError(f"elementwise must be None or a bool, got {elementwise!r}")
         cap = _cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
         first_cap = min(cap, _cap_bytes(None, first_bucket_cap_mb, "first_bucket_cap_mb"))
         self.module = module
-        self.sharded_optimizer = opt
-        self.group: dist.ProcessGroup = opt.group
+        self.sharded_optimizers: list[ShardedOptimizer] = opts
+        """The wrapped optimizers (fairscale's attribute), in the order given."""
+        self.group: dist.ProcessGroup = opts[0].group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.auto_refresh_trainable = auto_refresh_trainable
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self.reduce_dtype = reduce_dtype
         self._comm = _Comm(self.group)
-        groups = opt.param_groups
-        _check_params(module, groups)
-        params = [p for g in groups for p in g["params"]]
-        self._trainable = [p.requires_grad for p in params]
+        _check_params(module, [o.param_groups for o in opts])
+        params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
-        optim_cls = type(opt.optim)
-        flags = [is_elementwise(optim_cls, elementwise)] * len(groups)
-        buckets, prints = build_buckets(groups, flags, self.world_size, cap, first_cap)
+        buckets: list[_Bucket] = []
+        spans: list[tuple[int, int]] = []
+        prints: list[str] = [f"reduce_dtype={reduce_dtype}"]
+        for k, o in enumerate(opts):
+            flags = [is_elementwise(type(o.optim), elementwise)] * len(o.param_groups)
+            mine, group_prints = build_buckets(
+                o.param_groups, flags, self.world_size, cap, first_cap, first_index=len(buckets)
+            )
+            spans.append((len(buckets), len(buckets) + len(mine)))
+            buckets += mine
+            prints += [f"optimizer {k}: {fp}" for fp in group_prints]
         _agree_plan(prints, self.group)
         self._buckets = buckets
         if sync_models_at_startup:
             self._sync_at_startup(params)
-        self._stepper = _Stepper(
-            buckets, optim_cls, groups, dict(opt.defaults), self.rank, opt.master_dtype
-        )
-        self._reducer = _Reducer(buckets, self._comm)
+        self._units = [
+            _Unit(
+                k,
+                o,
+                buckets[a:b],
+                _Stepper(
+                    buckets[a:b],
+                    type(o.optim),
+                    o.param_groups,
+                    dict(o.defaults),
+                    self.rank,
+                    o.master_dtype,
+                ),
+                [p.requires_grad for g in o.param_groups for p in g["params"]],
+            )
+            for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True))
+        ]
+        self._reducer = _Reducer(buckets, self._comm, reduce_dtype)
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         self._handles = [
@@ -174,7 +171,6 @@ class ShardedDataParallel(nn.Module):
             for b in buckets
             for p in b.params
         ]
-        self._consolidated: dict[str, Any] | None = None
         self.last_closure_loss: Any = None
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
@@ -193,7 +189,9 @@ class ShardedDataParallel(nn.Module):
         self._handles.append(
             cast(Any, module).register_state_dict_pre_hook(self._before_state_dict)
         )
-        self._take_over(opt)
+        self._pre_hooks: list[Any] = []
+        for unit in self._units:
+            take_over(self, unit)
         self._comm.stats.reset()
 
     # ------------------------------------------------------------------ set-up
@@ -208,83 +206,19 @@ class ShardedDataParallel(nn.Module):
             for buf in self.module.buffers():
                 self._comm.broadcast(buf, 0)
 
-    def _take_over(self, opt: ShardedOptimizer) -> None:
-        """See [Note: Optimizer hand-over]."""
-        opt._attach_stepper(_STEPPER_NAME)
-        self._pre_hook = opt.register_step_pre_hook(self._pre_step)
-        if getattr(opt, "_masters", None) is not None:
-            opt._masters = None  # the masters live with the shards here
-        ddp = self
+    @property
+    def sharded_optimizer(self) -> ShardedOptimizer:
+        """The wrapped optimizer, when there is exactly one (else see ``sharded_optimizers``).
 
-        def zero_grad(self: ShardedOptimizer, set_to_none: bool = True) -> None:
-            ddp.zero_grad(set_to_none)
-
-        def clip_grad_norm(
-            self: ShardedOptimizer,
-            max_norm: float,
-            norm_type: float = 2.0,
-            filter_params_fn: Callable[[Any], Any] | None = None,
-        ) -> torch.Tensor:
-            if filter_params_fn is not None:
-                raise ValueError(
-                    "clip_grad_norm(filter_params_fn=...) is not supported under "
-                    "ShardedDataParallel: gradients are sharded by element ranges, not params"
-                )
-            return ddp.clip_grad_norm_(max_norm, norm_type)
-
-        def consolidate_state_dict(self: ShardedOptimizer, recipient_rank: int = 0) -> None:
-            ddp._consolidated = ddp.optimizer_state_dict()
-
-        def state_dict(self: ShardedOptimizer, all_ranks: bool = False) -> dict[str, Any]:
-            if all_ranks:
-                return ddp.optimizer_state_dict()
-            if ddp._consolidated is None:
-                raise RuntimeError(
-                    "ShardedOptimizer.state_dict() under ShardedDataParallel: call "
-                    "optimizer.consolidate_state_dict() on every rank first (or "
-                    "state_dict(all_ranks=True), or ddp.optimizer_state_dict(), on every rank)"
-                )
-            out, ddp._consolidated = ddp._consolidated, None
-            return out
-
-        def load_state_dict(self: ShardedOptimizer, sd: dict[str, Any]) -> None:
-            ddp.load_optimizer_state_dict(sd)
-
-        def unscale_for_scaler(
-            self: ShardedOptimizer, inv_scale: torch.Tensor
-        ) -> dict[torch.device, torch.Tensor]:
-            ddp._reducer.finish_all()
-            return ddp._stepper.unscale(ddp._buckets, inv_scale)
-
-        def drop_grad_factors(self: ShardedOptimizer) -> None:
-            ddp._stepper.factors.clear()
-
-        def local_state_dict(self: ShardedOptimizer) -> dict[str, Any]:
-            full = ddp.optimizer_state_dict()
-            return checkpoint_shard(full, ddp.rank, ddp.world_size)
-
-        def frozen_layout(self: ShardedOptimizer, *args: Any, **kwargs: Any) -> None:
+        Raises:
+            RuntimeError: several optimizers are wrapped.
+        """
+        if len(self.sharded_optimizers) != 1:
             raise RuntimeError(
-                "ShardedDataParallel fixed this optimizer's params and bucket layout at "
-                "construction: build a new ShardedOptimizer and ShardedDataParallel instead"
+                f"this ShardedDataParallel wraps {len(self.sharded_optimizers)} optimizers: "
+                f"use sharded_optimizers[k]"
             )
-
-        for name, fn in (
-            ("zero_grad", zero_grad),
-            ("clip_grad_norm", clip_grad_norm),
-            ("consolidate_state_dict", consolidate_state_dict),
-            ("state_dict", state_dict),
-            ("load_state_dict", load_state_dict),
-            ("_unscale_for_scaler", unscale_for_scaler),
-            ("_drop_grad_factors", drop_grad_factors),
-            ("local_state_dict", local_state_dict),
-            ("add_param_group", frozen_layout),
-            ("refresh_trainable", frozen_layout),
-            ("set_partition", frozen_layout),
-        ):
-            setattr(opt, name, types.MethodType(fn, opt))
-        # every param "owned" on every rank: see [Note: DCP sharded checkpoints]
-        cast(Any, opt)._layout = _ElementRangeLayout(opt._layout)
+        return self.sharded_optimizers[0]
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped module are reachable through the wrapper (fairscale)."""
@@ -354,9 +288,9 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ step
     def _pre_step(
-        self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, unit: _Unit, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The real step; see [Note: Optimizer hand-over].
+        """The real step of ``unit``'s optimizer; see [Note: Optimizer hand-over].
 
         A closure (fairscale's loops pass one) is evaluated here, once, before the step, and
         removed from the call, so ``step(closure)`` returns ``None``; the loss is kept in
@@ -368,28 +302,27 @@ class ShardedDataParallel(nn.Module):
             with torch.enable_grad():
                 self.last_closure_loss = closure()
         with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._ranges
-            self._agree_trainable()
+            self._agree_trainable(unit)
             self.wait_params()
             self._reducer.finish_all()
             with phase("local_step"):
-                self._stepper.step(self.sharded_optimizer.param_groups)
-            self._reducer.consume()
+                unit.stepper.step(unit.opt.param_groups)
+            self._reducer.consume(unit.buckets)
             with phase("all_gather"):
-                self._all_gather_params()
-        self.sharded_optimizer._mark_stepped()
+                self._all_gather_params(unit.buckets)
+        unit.opt._mark_stepped()
         return args, kwargs
 
-    def _agree_trainable(self) -> None:
+    def _agree_trainable(self, unit: _Unit) -> None:
         """Raises on every rank if ``requires_grad`` changed on any rank since construction.
 
         One 4-byte all-reduce (MAX of ``rank + 1`` over the ranks that see a change) before
         the step's first wait, so a change on one rank cannot leave the others waiting in the
         step's collectives.
         """
-        params = [p for g in self.sharded_optimizer.param_groups for p in g["params"]]
         changed = [
             i
-            for i, (p, t) in enumerate(zip(params, self._trainable, strict=True))
+            for i, (p, t) in enumerate(zip(unit.params(), unit.trainable, strict=True))
             if p.requires_grad != t
         ]
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
@@ -412,9 +345,9 @@ class ShardedDataParallel(nn.Module):
     # holds params of that bucket, and by everything that reads or writes the flat buffers
     # outside forward: wait_params(), the next step, clipping, state dicts. A bucket whose
     # params no forward touches is waited for by the next step at the latest.
-    def _all_gather_params(self) -> None:
+    def _all_gather_params(self, buckets: Sequence[_Bucket]) -> None:
         with torch.no_grad():
-            for b in reversed(self._buckets):
+            for b in reversed(buckets):
                 start, end = b.range_of(self.rank)
                 self._gathers[b.index] = self._comm.all_gather(b.flat, b.flat[start:end].clone())
         if not self.overlap_param_gather:
@@ -441,9 +374,7 @@ class ShardedDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: reduced shards and ``.grad`` left by ``no_sync()``."""
-        self._reducer.finish_all()
-        self._reducer.consume()
-        self._stepper.factors.clear()
+        self._zero_grad_units(self._units, set_to_none)
         for p in self.module.parameters():
             if p.grad is not None:
                 if set_to_none:
@@ -451,37 +382,98 @@ class ShardedDataParallel(nn.Module):
                 else:
                     p.grad.zero_()
 
+    def _zero_grad_units(self, units: Sequence[_Unit], set_to_none: bool) -> None:
+        """Drops the reduced gradients of ``units`` and their params' ``.grad``."""
+        self._reducer.finish_all()
+        for unit in units:
+            self._reducer.consume(unit.buckets)
+            unit.stepper.factors.clear()
+            for p in unit.params():
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the reduced gradients by their global norm (fp32, over every rank's shard).
 
-        Collective. Call after backward and before ``step()``. Returns the total norm.
+        Collective. Call after backward and before ``step()``. Returns the total norm. With
+        several optimizers, the norm is over all of them (``optimizer.clip_grad_norm`` clips
+        one optimizer's params by their own norm, as fairscale's OSS does).
         """
+        return self._clip_units(self._units, max_norm, norm_type)
+
+    def _clip_units(
+        self, units: Sequence[_Unit], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
             raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
+            raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
+        norm_type = float(norm_type)
         with phase("clip_grad_norm"):
             self._reducer.finish_all()
             self.wait_params()
-            return self._stepper.clip(self._buckets, float(max_norm), float(norm_type), self._comm)
+            device = self._buckets[0].device if self._buckets else torch.device("cpu")
+            norms = [u.stepper.local_norm(u.buckets, norm_type, device) for u in units]
+            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            if math.isinf(norm_type):
+                total = local.reshape(1).clone()
+                self._comm.all_reduce(total, op=dist.ReduceOp.MAX)
+                total = total[0]
+            else:
+                acc = local.double().pow(norm_type).reshape(1)
+                self._comm.all_reduce(acc)
+                total = acc[0].pow(1.0 / norm_type).float()
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            for u in units:
+                u.stepper.apply_clip(u.buckets, coef)
+            return cast(torch.Tensor, total)
 
     # ------------------------------------------------------------------ state
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The full optimizer state dict in plain torch format, on every rank. Collective.
+    def _unit(self, optimizer: int | ShardedOptimizer | None) -> _Unit:
+        if optimizer is None:
+            if len(self._units) != 1:
+                raise ValueError(
+                    f"this ShardedDataParallel wraps {len(self._units)} optimizers: name one "
+                    f"(optimizer=k or the optimizer itself)"
+                )
+            return self._units[0]
+        for u in self._units:
+            if optimizer is u.opt or (
+                isinstance(optimizer, int)
+                and not isinstance(optimizer, bool)
+                and optimizer == u.index
+            ):
+                return u
+        raise ValueError(
+            f"optimizer must be None, an index below {len(self._units)} or one of the wrapped "
+            f"optimizers, got {optimizer!r}"
+        )
+
+    def optimizer_state_dict(
+        self, optimizer: int | ShardedOptimizer | None = None
+    ) -> dict[str, Any]:
+        """The full state dict of a wrapped optimizer (``None``: the only one; else its index
+        or itself) in plain torch format, on every rank. Collective.
 
         See [Note: Optimizer state format] in ``shardkit.ddp._state_dict``.
         """
+        unit = self._unit(optimizer)
         self._reducer.finish_all()
         self.wait_params()
-        return full_state_dict(
-            self._stepper, self._buckets, self.sharded_optimizer.param_groups, self.group
-        )
+        return full_state_dict(unit.stepper, unit.buckets, unit.opt.param_groups, self.group)
 
-    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(
+        self, state_dict: dict[str, Any], optimizer: int | ShardedOptimizer | None = None
+    ) -> None:
         """Loads a full optimizer state dict (from :meth:`optimizer_state_dict`, a consolidated
-        ``ShardedOptimizer`` or a plain torch optimizer) into this rank's shards."""
+        ``ShardedOptimizer`` or a plain torch optimizer) into this rank's shards of a wrapped
+        optimizer (``None``: the only one; else its index or itself)."""
+        unit = self._unit(optimizer)
         self.wait_params()
-        load_full_state_dict(
-            self._stepper, self._buckets, self.sharded_optimizer.param_groups, state_dict
-        )
+        load_full_state_dict(unit.stepper, unit.buckets, unit.opt.param_groups, state_dict)
 
     @property
     def comm_stats(self) -> CommStats:
@@ -499,29 +491,53 @@ class ShardedDataParallel(nn.Module):
                 if b.grad_shard is not None
             ),
             "staging": self._reducer.staging_bytes(),
-            "optimizer": self._stepper.state_bytes(),
+            "optimizer": sum(u.stepper.state_bytes() for u in self._units),
         }
 
 
-def _one_optimizer(opt: object) -> ShardedOptimizer:
-    if isinstance(opt, list):
-        if len(opt) != 1:
-            raise ValueError(
-                f"ShardedDataParallel takes one ShardedOptimizer (fairscale accepted a list), "
-                f"got a list of {len(opt)}; put every param group in one optimizer"
+def _optimizers(given: object) -> list[ShardedOptimizer]:
+    items: list[object] = list(given) if isinstance(given, (list, tuple)) else [given]
+    if not items:
+        raise ValueError("sharded_optimizer is an empty list: pass at least one ShardedOptimizer")
+    opts: list[ShardedOptimizer] = []
+    for k, opt in enumerate(items):
+        if not isinstance(opt, ShardedOptimizer):
+            raise TypeError(
+                f"sharded_optimizer[{k}] must be a shardkit.optim.ShardedOptimizer (or OSS), got "
+                f"{type(opt).__name__}; wrap the params with ShardedOptimizer(params, optim=...)"
             )
-        opt = opt[0]
-    if not isinstance(opt, ShardedOptimizer):
-        raise TypeError(
-            f"sharded_optimizer must be a shardkit.optim.ShardedOptimizer (or OSS), got "
-            f"{type(opt).__name__}; wrap the params with ShardedOptimizer(params, optim=..., ...)"
-        )
-    if opt._stepper is not None:
+        if opt._stepper is not None:
+            raise ValueError(
+                f"sharded_optimizer[{k}] is already driven by {opt._stepper}; an optimizer can "
+                f"be wrapped by one ShardedDataParallel (or overlap hook) only"
+            )
+        if opts and opt.group is not opts[0].group:
+            raise ValueError(
+                f"sharded_optimizer[{k}] shards over another process group than "
+                f"sharded_optimizer[0]; build every optimizer with the same group="
+            )
+        if any(opt is o for o in opts):
+            raise ValueError(f"sharded_optimizer[{k}] is given twice")
+        opts.append(opt)
+    return opts
+
+
+def _reduce_dtype(reduce_fp16: object, reduce_dtype: object) -> torch.dtype | None:
+    if not isinstance(reduce_fp16, bool):
+        raise TypeError(f"reduce_fp16 must be a bool, got {type(reduce_fp16).__name__}")
+    if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
         raise ValueError(
-            f"this ShardedOptimizer is already driven by {opt._stepper}; an optimizer can be "
-            f"wrapped by one ShardedDataParallel (or overlap hook) only"
+            f"reduce_dtype must be None or one of {[str(d) for d in _REDUCE_DTYPES]}, got "
+            f"{reduce_dtype!r}"
         )
-    return opt
+    if reduce_fp16:
+        if reduce_dtype not in (None, torch.float16):
+            raise ValueError(
+                f"reduce_fp16=True means reduce_dtype=torch.float16, but reduce_dtype="
+                f"{reduce_dtype} was given too; pass one of them"
+            )
+        return torch.float16
+    return reduce_dtype if isinstance(reduce_dtype, torch.dtype) else None
 
 
 def _cap_bytes(elements: int | None, mb: float, name: str) -> int:
@@ -537,21 +553,31 @@ def _cap_bytes(elements: int | None, mb: float, name: str) -> int:
     return max(1, int(mb * (1 << 20)))
 
 
-def _check_params(module: nn.Module, groups: list[dict[str, Any]]) -> None:
+def _check_params(module: nn.Module, per_opt: list[list[dict[str, Any]]]) -> None:
     mine = {id(p) for p in module.parameters()}
-    params = [p for g in groups for p in g["params"]]
-    foreign = [i for i, p in enumerate(params) if id(p) not in mine]
-    if foreign:
-        raise ValueError(
-            f"the optimizer's params {foreign[:5]} (global indices) are not params of the "
-            f"module; build the ShardedOptimizer over module.parameters()"
-        )
+    seen: dict[int, int] = {}
+    for k, groups in enumerate(per_opt):
+        ps = [p for g in groups for p in g["params"]]
+        foreign = [i for i, p in enumerate(ps) if id(p) not in mine]
+        if foreign:
+            raise ValueError(
+                f"optimizer {k}'s params {foreign[:5]} (global indices) are not params of the "
+                f"module; build the ShardedOptimizer over module.parameters()"
+            )
+        for i, p in enumerate(ps):
+            if id(p) in seen:
+                raise ValueError(
+                    f"param {i} of optimizer {k} (shape {tuple(p.shape)}) is also in optimizer "
+                    f"{seen[id(p)]}; give every param to one optimizer only"
+                )
+            seen[id(p)] = k
+    params = [p for groups in per_opt for g in groups for p in g["params"]]
     given = {id(p) for p in params}
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in given]
     if missing:
         raise ValueError(
-            f"trainable params {missing[:5]} of the module are not in the optimizer: their "
-            f"gradients would never be reduced. Pass every trainable param to the "
+            f"trainable params {missing[:5]} of the module are in no optimizer: their "
+            f"gradients would never be reduced. Pass every trainable param to a "
             f"ShardedOptimizer, or freeze them with requires_grad_(False) first."
         )
     for i, p in enumerate(params):

@@ -13,13 +13,11 @@ factors (clip coefficient) applied in fp32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from shardkit.ddp._comm import _Comm
 from shardkit.ddp._layout import _Bucket
 from torch.optim import Optimizer
 
@@ -179,41 +177,33 @@ class _Stepper:
         return found
 
     # ------------------------------------------------------------------ clipping
-    def clip(
-        self, buckets: Sequence[_Bucket], max_norm: float, norm_type: float, comm: _Comm
+    # Clipping by the global norm of the reduced gradients (fp32, over every rank's shard) is
+    # ``ShardedDataParallel._clip_units``: the local norms of one or more steppers, one
+    # all-reduce, then ``apply_clip`` on each. Padding elements of a shard hold zero gradients
+    # (see [Note: Staging and launch order]), so they add nothing to the norm. Shards with
+    # masters count times the pending factors (the loss scaler's ``1/scale`` after
+    # ``unscale_``), as the step will use them.
+    def local_norm(
+        self, buckets: Sequence[_Bucket], norm_type: float, device: torch.device
     ) -> torch.Tensor:
-        """Clips by the global norm of the reduced gradients (fp32, over every rank's shard).
-
-        Padding elements of a shard hold zero gradients (see [Note: Staging and launch order]),
-        so they add nothing to the norm. Shards with masters count times the pending factors
-        (the loss scaler's ``1/scale`` after ``unscale_``), as the step will use them.
-        """
+        """The ``norm_type`` norm (fp32) of this rank's live reduced gradients in ``buckets``."""
         live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
-        device = live[0].device if live else (buckets[0].device if buckets else torch.device("cpu"))
-        if live:
-            norms = [torch.linalg.vector_norm(self._scaled(b), norm_type) for b in live]
-            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-        if math.isinf(norm_type):
-            total = local.reshape(1).clone()
-            comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-            total = total[0]
-        else:
-            acc = local.double().pow(norm_type).reshape(1)
-            comm.all_reduce(acc)
-            total = acc[0].pow(1.0 / norm_type).float()
-        assert isinstance(total, torch.Tensor)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for b in live:
+        if not live:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = [torch.linalg.vector_norm(self._scaled(b), norm_type) for b in live]
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        return total.to(device)
+
+    def apply_clip(self, buckets: Sequence[_Bucket], coef: torch.Tensor) -> None:
+        """Multiplies the live shards by ``coef`` (queued as a factor for shards with masters,
+        applied in fp32 to the upcast gradient at the step)."""
+        for b in buckets:
             shard = b.grad_shard
-            assert shard is not None
-            if self.has_master(b):
-                continue  # applied in fp32 to the upcast gradient at the step
-            shard.mul_(coef.to(shard.dtype))
+            if b.grad_fresh or shard is None or self.has_master(b):
+                continue
+            shard.mul_(coef.to(device=shard.device, dtype=shard.dtype))
         if self.master_dtype is not None:
             self.factors.append(coef.detach().reshape(()).clone())
-        return total
 
     def _scaled(self, b: _Bucket) -> torch.Tensor:
         """The bucket's reduced grad shard in fp32, times the pending factors (the loss
