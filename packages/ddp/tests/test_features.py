@@ -398,7 +398,7 @@ def test_bf16_model_reduced_in_fp32() -> None:
     assert sdp.comm_stats.buffer_bytes["reduce_scatter"] == 3 * padded * 4
 
 
-def _split_optimizers(m: nn.Module) -> tuple[list[Any], list[Any]]:
+def _split_params(m: nn.Module) -> tuple[list[Any], list[Any]]:
     params = list(m.parameters())
     return params[:3], params[3:]
 
@@ -415,8 +415,8 @@ def test_two_optimizers_match_ddp() -> None:
     for closures in (False, True):
         ref_m = _model()
         m = copy.deepcopy(ref_m)
-        ra, rb = _split_optimizers(ref_m)
-        a, b = _split_optimizers(m)
+        ra, rb = _split_params(ref_m)
+        a, b = _split_params(m)
         ref = DDP(ref_m)
         ref_opts = [torch.optim.SGD(ra, lr=0.1, momentum=0.9), torch.optim.Adam(rb, lr=1e-2)]
         opts = [
@@ -467,8 +467,8 @@ def test_two_optimizers_clip_by_the_norm_over_both() -> None:
     ``clip_grad_norm_`` over all params); ``opt_k.clip_grad_norm`` by its own params' norm."""
     ref_m = _model()
     m = copy.deepcopy(ref_m)
-    _, rb = _split_optimizers(ref_m)
-    a, b = _split_optimizers(m)
+    _, rb = _split_params(ref_m)
+    a, b = _split_params(m)
     ref = DDP(ref_m)
     opts = [
         ShardedOptimizer(a, optim=torch.optim.SGD, lr=0.1),

@@ -215,10 +215,9 @@ class _Reducer:
             while self.inflight:
                 self._finish(0)
 
-    def consume(self, buckets: Sequence[_Bucket] | None = None) -> None:
-        """Marks the grad shards of ``buckets`` (default: all) consumed (after a step or
-        ``zero_grad``)."""
-        for b in self.buckets if buckets is None else buckets:
+    def consume(self, buckets: Sequence[_Bucket]) -> None:
+        """Marks the grad shards of ``buckets`` consumed (after a step or ``zero_grad``)."""
+        for b in buckets:
             b.grad_fresh = True  # the next reduce-scatter overwrites the shard
 
 

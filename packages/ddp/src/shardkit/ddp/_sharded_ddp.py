@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -374,26 +374,26 @@ class ShardedDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: reduced shards and ``.grad`` left by ``no_sync()``."""
-        self._zero_grad_units(self._units, set_to_none)
-        for p in self.module.parameters():
+        self._zero_grad_units(self._units, set_to_none, self.module.parameters())
+
+    def _zero_grad_units(
+        self,
+        units: Sequence[_Unit],
+        set_to_none: bool,
+        params: Iterable[torch.Tensor] | None = None,
+    ) -> None:
+        """Drops the reduced gradients of ``units`` and the ``.grad`` of ``params`` (default:
+        the units' params)."""
+        self._reducer.finish_all()
+        for unit in units:
+            self._reducer.consume(unit.buckets)
+            unit.stepper.factors.clear()
+        for p in params if params is not None else (p for u in units for p in u.params()):
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
                 else:
                     p.grad.zero_()
-
-    def _zero_grad_units(self, units: Sequence[_Unit], set_to_none: bool) -> None:
-        """Drops the reduced gradients of ``units`` and their params' ``.grad``."""
-        self._reducer.finish_all()
-        for unit in units:
-            self._reducer.consume(unit.buckets)
-            unit.stepper.factors.clear()
-            for p in unit.params():
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the reduced gradients by their global norm (fp32, over every rank's shard).

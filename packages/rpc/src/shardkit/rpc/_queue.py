@@ -52,14 +52,13 @@ _T = TypeVar("_T")
 class _Turn:
     """A ``run`` caller waiting for its turn: its operation, and where its outcome goes."""
 
-    __slots__ = ("done", "error", "event", "handed", "result", "work")
+    __slots__ = ("done", "error", "event", "result", "work")
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.work = work
         self.event = threading.Event()
-        self.handed = False
-        """Set by the holder: the queue is handed over, the waiter runs ``work`` itself."""
         self.done = False
+        """Set once the holder ran ``work``; left False when the queue is handed over instead."""
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -72,7 +71,7 @@ class _Turn:
         self.event.set()
 
     def hand_over(self) -> None:
-        self.handed = True
+        """Wake the waiter without running ``work``: it now holds the queue and runs it."""
         self.event.set()
 
 
