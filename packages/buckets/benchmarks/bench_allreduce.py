@@ -1,4 +1,4 @@
-"""One all-reduce of a flat GradBucket vs one all-reduce per param (200 small params, Gloo, 2 ranks).
+"""One all-reduce of a flat ParamBucket vs one all-reduce per param (200 small params, Gloo, 2 ranks).
 
 Rank 0 is the pytest process; rank 1 is a helper process started from this file that mirrors
 every command rank 0 broadcasts. Run with:
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.buckets import GradBucket
+from shardkit.buckets import ParamBucket
 
 _NUM_PARAMS = 200
 _ITERS_PER_ROUND = 10
@@ -26,26 +26,26 @@ _STOP, _FLAT, _PER_PARAM = 0, 1, 2
 _TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _make_grads() -> tuple[GradBucket, list[torch.Tensor]]:
-    """200 small params (16..1024 floats, ~100k floats in all) with grads in one bucket."""
+def _make_views() -> tuple[ParamBucket, list[torch.Tensor]]:
+    """200 small tensors (16..1024 floats, ~100k floats in all) as views of one bucket."""
     gen = torch.Generator().manual_seed(0)
     sizes = torch.randint(16, 1025, (_NUM_PARAMS,), generator=gen).tolist()
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    bucket = GradBucket(sum(sizes), torch.float32, "cpu")
+    bucket = ParamBucket(sum(sizes), torch.float32, "cpu")
     for p in params:
-        bucket.add_grad(p)
+        bucket.add_param(p)
     bucket.buffer.normal_(generator=gen)
-    grads = [p.grad for p in params if p.grad is not None]
-    return bucket, grads
+    views = [p.detach() for p in params]
+    return bucket, views
 
 
-def _run(cmd: int, iters: int, bucket: GradBucket, grads: list[torch.Tensor]) -> None:
+def _run(cmd: int, iters: int, bucket: ParamBucket, views: list[torch.Tensor]) -> None:
     for _ in range(iters):
         if cmd == _FLAT:
             dist.all_reduce(bucket.buffer)
         else:
-            for g in grads:
-                dist.all_reduce(g)
+            for v in views:
+                dist.all_reduce(v)
 
 
 def _serve(init_file: str) -> None:
@@ -53,14 +53,14 @@ def _serve(init_file: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=1, world_size=2, timeout=_TIMEOUT
     )
-    bucket, grads = _make_grads()
+    bucket, views = _make_views()
     cmd = torch.zeros(2, dtype=torch.int64)
     try:
         while True:
             dist.broadcast(cmd, 0)
             if int(cmd[0]) == _STOP:
                 break
-            _run(int(cmd[0]), int(cmd[1]), bucket, grads)
+            _run(int(cmd[0]), int(cmd[1]), bucket, views)
     finally:
         dist.destroy_process_group()
 
@@ -79,11 +79,11 @@ def pair() -> Iterator[Callable[[int], None]]:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=0, world_size=2, timeout=_TIMEOUT
         )
-        bucket, grads = _make_grads()
+        bucket, views = _make_views()
 
         def run(cmd: int) -> None:
             dist.broadcast(torch.tensor([cmd, _ITERS_PER_ROUND]), 0)
-            _run(cmd, _ITERS_PER_ROUND, bucket, grads)
+            _run(cmd, _ITERS_PER_ROUND, bucket, views)
 
         yield run
         dist.broadcast(torch.tensor([_STOP, 0]), 0)

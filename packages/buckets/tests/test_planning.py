@@ -1,4 +1,4 @@
-"""Single-process tests of plan_buckets and the plan-driven builders."""
+"""Single-process tests of plan_buckets (and that its offsets are a ParamBucket's)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardkit.buckets import (
-    BucketPlan,
-    GradBucket,
-    ParamBucket,
-    build_grad_buckets,
-    build_param_buckets,
-    plan_buckets,
-)
+from shardkit.buckets import BucketPlan, ParamBucket, plan_buckets
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 _params_strategy = st.lists(
@@ -134,48 +127,29 @@ def test_plan_groups_by_dtype_with_a_first_cap_per_group() -> None:
     ]
 
 
-def test_builders_follow_the_plan() -> None:
+def test_param_buckets_filled_in_plan_order_use_the_plan_offsets() -> None:
+    """The layout rules of [Note: Bucket views]: a ParamBucket sized and filled as a BucketSpec
+    says (``size=numel``, params in ``indices`` order) puts each param at the planned offset."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     named = list(model.named_parameters())
     values = [p.detach().clone() for _, p in named]
     plan = plan_buckets(named, cap_bytes=100, alignment=4, pad_to_multiple=2)
-    pbuckets = build_param_buckets(named, plan)
-    gbuckets = build_grad_buckets(named, plan, destinations=list(range(len(plan))))
-    assert all(isinstance(b, ParamBucket) for b in pbuckets)
-    assert [b.destination for b in gbuckets] == list(range(len(plan)))
-    for spec, pb, gb in zip(plan.buckets, pbuckets, gbuckets, strict=True):
-        assert pb.offsets == spec.offsets == gb.offsets
-        assert pb.buffer.numel() == spec.padded_numel == gb.buffer.numel()
-        assert [id(p) for p in pb.params] == [id(named[i][1]) for i in spec.indices]
-        assert pb.attached and gb.attached
+    for spec in plan.buckets:
+        bucket = ParamBucket(
+            spec.numel,
+            spec.dtype,
+            spec.device,
+            alignment=plan.alignment,
+            pad_to_multiple=plan.pad_to_multiple,
+        )
+        for i in spec.indices:
+            bucket.add_param(named[i][1], name=named[i][0])
+        assert bucket.offsets == spec.offsets
+        assert bucket.buffer.numel() == spec.padded_numel
+        assert bucket.attached
     for (_, p), v in zip(named, values, strict=True):
         assert torch.equal(p.detach(), v)
-    model(torch.ones(3, 4)).sum().backward()
-    for spec, gb in zip(plan.buckets, gbuckets, strict=True):
-        for i in spec.indices:
-            grad = named[i][1].grad
-            assert grad is not None and torch.equal(gb.slot(named[i][1]).view(grad.shape), grad)
-
-
-def test_builder_errors() -> None:
-    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
-    plan = plan_buckets(params, 8)
-    with pytest.raises(ValueError, match=r"got 1 params but the plan was made for 2"):
-        build_param_buckets(params[:1], plan)
-    with pytest.raises(TypeError, match=r"Materialise generators"):
-        build_param_buckets(iter(params), plan)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"plan must be a BucketPlan"):
-        build_grad_buckets(params, "plan")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"got 1 destinations for 2 buckets"):
-        build_grad_buckets(params, plan, destinations=[0])
-    changed = [params[0], torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
-    with pytest.raises(ValueError, match=r"params\[1\] .*plan again"):
-        build_param_buckets(changed, plan)
-    frozen = [torch.nn.Parameter(torch.zeros(3), requires_grad=False), params[1]]
-    with pytest.raises(ValueError, match=r"requires_grad=False"):
-        build_grad_buckets(frozen, plan_buckets(frozen, 8))
-    _ = GradBucket  # re-exported
 
 
 def test_plan_input_errors() -> None:

@@ -26,9 +26,33 @@ torch 2.13, CPU, 38 selected): 21 pass, 17 fail.
   switch, backward leaves a ``.grad`` on the first param on every rank. ZeRO-2 keeps no
   ``.grad`` (the reduced gradient lives in the owner's shard). fairscale passes only because
   its hooks are not re-armed after the switch: its gradients there are the unreduced local
-  ones, different on every rank (checked by printing them).
+  ones, different on every rank (checked by printing them). Since issue 26 ``.grad`` holds a
+  reduced-grad placeholder, and the test's ``torch.norm(p.grad)`` raises the error that names
+  ``ShardedDataParallel.clip_grad_norm_``.
 
-The test below asserts that every case expected to pass passes and that nothing else fails.
+``test_sharded_ddp_pytorch_parity.py`` (``test_fairscale_parity_suite_on_cpu``): fairscale runs
+it on every visible GPU over NCCL; ``_cpu_parity`` runs it on CPU over Gloo at world 2 (device,
+backend, ``device_ids`` and the CUDA markers swapped; no AMP cases). 50 cases run (16 more are
+skipped by fairscale itself): 48 ``test_ddp_parity`` and 2 ``test_ddp_parity_two_optim``. Before
+issue 26 all 50 failed at the test's ``copy.deepcopy`` of the wrapped module. Now 18 pass: both
+``two_optim`` cases and the 16 ``test_ddp_parity`` cases without ``change_train_graph`` and
+``clip_grad_norm`` (buckets 0 and 2**20, with and without accumulation, manual ``reduce()``
+and a module run twice per forward), equal to DDP. 32 fail by design:
+
+- 16 ``change_train_graph`` cases flip ``requires_grad`` after the first step: the bucket
+  layout is fixed at construction and the next step raises on every rank (fairscale
+  re-buckets);
+- 16 ``clip_grad_norm`` cases call ``optimizer.clip_grad_norm`` *after* ``step()`` and compare
+  with DDP's norm of the stale gradients: issue 26 makes a clip after the step raise (the
+  step consumed the gradients).
+
+fairscale's own ``ShardedDataParallel`` on the same 50 CPU cases (``_adapt(..., swap=False)``):
+47 pass, 3 fail its own comparison with DDP (``check_same_model_params``, atol 1e-3: "Model
+parameters differ"); rerun, two of those pass and ``two_optim[1048576]`` fails again (a bias
+1.2e-3 off at step 3), so fairscale is intermittent there, and passes the 32 cases failing here
+by design (it re-buckets on a ``requires_grad`` change and keeps gradients after its step).
+
+The tests below assert that every case expected to pass passes and that nothing else fails.
 """
 
 from __future__ import annotations
@@ -42,7 +66,8 @@ from pathlib import Path
 import pytest
 
 _ENV = "SHARDKIT_FAIRSCALE_TESTS"
-_FILES = ("test_sharded_ddp_features.py", "test_sharded_ddp_pytorch_parity.py")
+_PARITY = "test_sharded_ddp_pytorch_parity.py"
+_FILES = ("test_sharded_ddp_features.py", _PARITY)
 _EXPECTED_PASS = (
     "test_ddp_attributes",
     "test_random_attributes",
@@ -67,17 +92,23 @@ def _source_dir() -> Path:
     return path
 
 
-def _adapt(text: str) -> str:
-    swaps = {
-        "from fairscale.nn.data_parallel import ShardedDataParallel": (
-            "from shardkit.ddp import ShardedDataParallel"
-        ),
-        "from fairscale.optim import OSS": "from shardkit.optim import OSS",
-    }
-    for old, new in swaps.items():
-        if old not in text:
-            raise AssertionError(f"fairscale's test file no longer has {old!r}: update the shim")
-        text = text.replace(old, new)
+def _replace(text: str, old: str, new: str) -> str:
+    if old not in text:
+        raise AssertionError(f"fairscale's test file no longer has {old!r}: update the shim")
+    return text.replace(old, new)
+
+
+def _adapt(text: str, name: str = _FILES[0], swap: bool = True) -> str:
+    """fairscale's test file ``name``, run against shardkit (``swap``) or fairscale itself."""
+    if swap:
+        text = _replace(
+            text,
+            "from fairscale.nn.data_parallel import ShardedDataParallel",
+            "from shardkit.ddp import ShardedDataParallel",
+        )
+        text = _replace(text, "from fairscale.optim import OSS", "from shardkit.optim import OSS")
+    if name == _PARITY:
+        return _cpu_parity(text)
     # test_step's Gloo/CPU setup is skipped by fairscale's CUDA markers: drop them there only.
     return re.sub(
         r"@skip_if_no_cuda\n@skip_if_single_gpu\n((?:@pytest\.mark\.parametrize[^\n]*\n|"
@@ -88,10 +119,41 @@ def _adapt(text: str) -> str:
     )
 
 
-def _run(tmp_path: Path, selection: str) -> dict[str, str]:
+def _cpu_parity(text: str) -> str:
+    """``test_ddp_parity`` / ``test_ddp_parity_two_optim`` on CPU over Gloo, world 2.
+
+    fairscale runs them on every visible GPU over NCCL; nothing in them needs a GPU but AMP
+    (``torch.cuda.amp``, a no-op with a warning on CPU), whose cases are dropped. So: the
+    device is the CPU, DDP gets no ``device_ids``, the backend is Gloo, the world 2, the CUDA
+    skip markers go, and ``torch.cuda.set_device`` / ``synchronize`` become no-ops.
+    """
+    text = _replace(text, 'device = torch.device("cuda")', 'device = torch.device("cpu")')
+    text = _replace(text, "torch.cuda.set_device(rank)", "pass  # CPU")
+    text = _replace(text, "torch.cuda.synchronize(device)", "pass  # CPU")
+    text = _replace(text, "device_ids=[rank]", "device_ids=None")
+    text = _replace(text, "backend = dist.Backend.NCCL", "backend = dist.Backend.GLOO")
+    text = _replace(text, "world_size = torch.cuda.device_count()", "world_size = 2")
+    text = _replace(text, "@skip_if_no_cuda\n@skip_if_single_gpu\n", "")
+    return _replace(
+        text,
+        'if hasattr(torch.cuda.amp, "autocast"):\n    _test_amp.append(True)',
+        "if torch.cuda.is_available():  # CPU: no AMP cases\n    _test_amp.append(True)",
+    )
+
+
+def _run(
+    tmp_path: Path, selection: str, files: tuple[str, ...] = _FILES, swap: bool = True
+) -> dict[str, str]:
+    return _run_with_errors(tmp_path, selection, files, swap)[0]
+
+
+def _run_with_errors(
+    tmp_path: Path, selection: str, files: tuple[str, ...] = _FILES, swap: bool = True
+) -> tuple[dict[str, str], list[str]]:
+    """Outcome per case id, and the ``E ...Error`` lines of the failures."""
     src = _source_dir()
     for name in _FILES:
-        (tmp_path / name).write_text(_adapt((src / name).read_text()))
+        (tmp_path / name).write_text(_adapt((src / name).read_text(), name, swap))
     proc = subprocess.run(
         [
             sys.executable,
@@ -103,7 +165,7 @@ def _run(tmp_path: Path, selection: str) -> dict[str, str]:
             "no:cacheprovider",
             "-k",
             selection,
-            *_FILES,
+            *files,
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -116,10 +178,14 @@ def _run(tmp_path: Path, selection: str) -> dict[str, str]:
         m = re.match(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+)", line)
         if m:
             outcome[m.group(2).split("::")[-1]] = m.group(1)
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("E ") and "Error" in ln]
+    errors = [
+        ln
+        for ln in proc.stdout.splitlines()
+        if ln.startswith("E ") and any(w in ln for w in ("Error", "Exception", "timed out"))
+    ]
     print("\n".join(errors[:60]))  # the first error lines of the failures, for diagnosis
     print(proc.stdout[-3000:])
-    return outcome
+    return outcome, errors
 
 
 @pytest.mark.slow
@@ -139,3 +205,37 @@ def test_fairscale_sharded_ddp_suite(tmp_path: Path) -> None:
             assert v == "PASSED", (k, v)
     unexpected = [k for k in failed if k not in _EXPECTED_FAIL and not k.startswith("test_step[")]
     assert not unexpected, unexpected
+
+
+# test_ddp_parity's case ids: multiple_fw-manual_reduction-amp-clip_grad_norm-fp16_reduction-
+# change_train_graph-grad_accumulation-reduce_buffer_size (fairscale main 146f1602).
+_PARITY_FIELDS = ("multiple_fw", "manual", "amp", "clip", "fp16", "change_train", "accumulate")
+_BY_DESIGN = (
+    # change_train_graph flips requires_grad after the first step: the bucket layout is fixed
+    # at construction, so the next step raises on every rank (see the README's Limits).
+    "requires_grad changed after ShardedDataParallel was built",
+    # clip_grad_norm calls optimizer.clip_grad_norm *after* step(), which issue 26 makes raise
+    # (the step consumed the gradients; fairscale measures the stale ones).
+    "ShardedDataParallel.clip_grad_norm_ / optimizer.clip_grad_norm found no gradient to clip",
+)
+
+
+@pytest.mark.slow
+def test_fairscale_parity_suite_on_cpu(tmp_path: Path) -> None:
+    """fairscale's ``test_sharded_ddp_pytorch_parity.py`` on CPU/Gloo (see ``_cpu_parity``):
+    50 cases run (48 ``test_ddp_parity`` without AMP, 16 more skipped by fairscale itself, and
+    2 ``test_ddp_parity_two_optim``). Every case without ``change_train_graph`` and
+    ``clip_grad_norm`` passes (16 + 2); the 32 others fail by design, with the errors above.
+    """
+    outcome, errors = _run_with_errors(tmp_path, "test_ddp_parity", (_PARITY,))
+    ran = {k: v for k, v in outcome.items() if k.startswith("test_ddp_parity")}
+    assert len(ran) == 50, sorted(ran)
+    for k, v in ran.items():
+        if k.startswith("test_ddp_parity_two_optim"):
+            assert v == "PASSED", (k, v)
+            continue
+        flags = dict(zip(_PARITY_FIELDS, (f == "True" for f in k[16:-1].split("-")), strict=False))
+        by_design = flags["clip"] or flags["change_train"]
+        assert v == ("FAILED" if by_design else "PASSED"), (k, v)
+    raised = [e for e in errors if re.match(r"^E\s+\w+(Error|Exception): ", e)]
+    assert raised and all(any(d in e for d in _BY_DESIGN) for e in raised), raised

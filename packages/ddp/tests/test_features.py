@@ -58,7 +58,8 @@ def test_no_sync_accumulation_matches_ddp() -> None:
             _loss(model, step, 1).backward()
             o.step()
     _equal(ref_m, m)
-    assert all(p.grad is None for p in m.parameters())
+    # no full-size gradient is left: .grad holds the memory-less reduced-grad placeholders
+    assert all("reduce-scattered" in repr(p.grad) for p in m.parameters())
 
 
 @world(2)
@@ -191,8 +192,8 @@ def test_bytes_match_ddp_ring_volume() -> None:
     assert stats.bytes["reduce_scatter"] + stats.bytes["all_gather"] == 2 * (n - 1) / n * padded * 4
     assert stats.total_bytes() <= ddp_bytes * (1 + n * len(sdp._buckets) / nparams)
     assert stats.calls["reduce_scatter"] == stats.calls["all_gather"] == len(sdp._buckets)
-    assert stats.calls["all_reduce"] == 1  # the requires_grad agreement: 4 bytes
-    assert stats.buffer_bytes["all_reduce"] == 4
+    # the per-step agreement is shardkit-optim's, on its side group: no all-reduce here
+    assert stats.calls["all_reduce"] == 0
     assert sdp.memory_bytes()["grads"] == padded * 4 // n
 
 
@@ -231,7 +232,7 @@ def test_bad_input_raises() -> None:
 def test_rank_mismatch_in_bucket_plan_raises_everywhere() -> None:
     m = _model()
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="plan different gradient buckets"):
+    with pytest.raises(ValueError, match="ranks disagree on the gradient bucket plan"):
         ShardedDataParallel(m, opt, reduce_buffer_size=64 * (1 + dist.get_rank()))
 
 
@@ -479,5 +480,10 @@ def test_two_optimizers_clip_by_the_norm_over_both() -> None:
     _loss(sdp, 0).backward()
     total = torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.01)
     torch.testing.assert_close(sdp.clip_grad_norm_(0.01), total, rtol=1e-6, atol=0)
+    for o in opts:  # a gradient is clipped once (a second clip raises): reduce new ones
+        o.zero_grad()
+    ref_m.zero_grad()
+    _loss(ref, 1).backward()
+    _loss(sdp, 1).backward()
     own = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in rb if p.grad is not None]))
     torch.testing.assert_close(opts[1].clip_grad_norm(1e9), own, rtol=1e-5, atol=0)

@@ -376,8 +376,6 @@ def test_bad_input_errors() -> None:
         OffloadModel(nn.Linear(2, 2), "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_slices must be >= 1, got 0"):
         OffloadModel(_mlp(), "cpu", num_slices=0)
-    with pytest.raises(ValueError, match="exceeds the number of layers"):
-        OffloadModel(_mlp(), "cpu", num_slices=50)
     with pytest.raises(TypeError, match="num_slices must be an int"):
         OffloadModel(_mlp(), "cpu", num_slices=2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
@@ -388,8 +386,6 @@ def test_bad_input_errors() -> None:
         OffloadModel(_mlp(), "cpu", offload_device="meta")
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         OffloadModel(_mlp(), "meta")
-    with pytest.raises(ValueError, match="pre-split"):
-        OffloadModel([nn.Linear(2, 2), nn.Linear(2, 2)], "cpu", num_slices=3)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             OffloadModel(_mlp(), "cuda")
@@ -397,9 +393,7 @@ def test_bad_input_errors() -> None:
     with pytest.raises(ValueError, match="shared between slices"):
         OffloadModel(nn.Sequential(shared, nn.ReLU(), shared), "cpu", num_slices=2)
     model = OffloadModel(seq, "cpu", num_microbatches=4, checkpoint_activation=True)
-    with pytest.raises(ValueError, match="not divisible into num_microbatches=4"):
-        model(torch.randn(6, 6))
-    with pytest.raises(RuntimeError, match="not supported after wrapping"):
+    with pytest.raises(RuntimeError, match="cannot cast its parameters after wrapping"):
         model.to(torch.float64)
     bad = OffloadModel(nn.Sequential(nn.Linear(2, 2), _Dict()), "cpu", num_slices=2)
     with pytest.raises(TypeError, match="output of slice 1 must be a Tensor"):

@@ -114,7 +114,7 @@ def test_collective_timeout_when_a_rank_skips_step() -> None:
     if dist.get_rank() == 0:
         model(torch.randn(5, 4)).sum().backward()
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="did not all take part within 0:00:02"):
+        with pytest.raises(RuntimeError, match=r"called ShardedOptimizer.step\(\) and waited 0:00:02"):
             opt.step()
         assert time.monotonic() - start < 30
     dist.barrier()  # the default group is still fine
@@ -127,3 +127,47 @@ def test_bad_collective_timeout() -> None:
         with pytest.raises(ValueError, match="collective_timeout must be a positive number"):
             _check_timeout(bad)
     assert _check_timeout(2).total_seconds() == 2.0  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- call agreement (issue 26/29)
+@world(2, timeout=90)
+def test_state_dict_on_one_rank_raises_on_every_rank_within_the_timeout() -> None:
+    """The classic "save on rank 0 only": rank 0 raises after ``collective_timeout`` naming the
+    call; rank 1, which trains on, raises at its next step naming both calls; the default
+    process group stays usable."""
+    import time
+
+    model = nn.Linear(4, 3)
+    opt = ShardedOptimizer(
+        model.parameters(), optim=torch.optim.Adam, lr=0.1, collective_timeout=2.0
+    )
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"state_dict\(\).*every\s+rank must call"):
+            opt.state_dict()
+        assert time.monotonic() - start < 20
+    else:
+        time.sleep(3)  # rank 0 has timed out by now
+        with pytest.raises(RuntimeError, match=r"different collective calls.*state_dict"):
+            opt.step()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the default group is still usable
+    assert t.item() == 2.0
+
+
+@world(2, timeout=90)
+def test_ranks_in_different_calls_raise_the_same_error_before_anything_moves() -> None:
+    model = nn.Linear(4, 3)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"different collective calls.*consolidate_state_dict.*step|different collective calls.*step.*consolidate_state_dict"):
+        if dist.get_rank() == 0:
+            opt.consolidate_state_dict(0)
+        else:
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.optim.state  # no shard moved, no state created
+    opt.step()  # and the ranks are back in step

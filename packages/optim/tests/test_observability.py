@@ -45,23 +45,6 @@ def test_step_phases_show_in_a_profiler_trace() -> None:
 
 
 @world(2)
-def test_blocked_step_turned_off_by_its_probe_is_logged_once() -> None:
-    import shardkit.optim._blocked as blocked
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # 16 KiB weights: blocks
-    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
-        mp.setattr(blocked, "_PROBE_RESULTS", {})
-        mp.setattr(blocked, "_run_probe", lambda *a: False)
-        opt = ShardedOptimizer(
-            model.parameters(), optim=torch.optim.Adam, lr=0.01, step_block_bytes=4096
-        )
-        train(model, opt, 4)
-    found = logs.matching("cache-blocked step turned off for Adam")
-    assert len(found) == 1, found
-
-
-@world(2)
 def test_repartition_and_implicit_consolidation_are_logged_once() -> None:
     import shardkit.optim._sharded_optimizer as so
     import shardkit.optim._state_dict as sd

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer
+from shardkit.optim import ShardedOptimizer, StepDriver
 from shardkit.testing import world
 from torch import nn
 
@@ -37,7 +38,7 @@ def test_set_partition_moves_state_and_persists() -> None:
     owners = [(i + 1) % 2 for i in range(n)]
     order = list(reversed(range(n)))
     zero.set_partition(owners, sync_order=order)
-    assert zero._layout.owner == tuple(owners) and zero._layout.order == tuple(order)
+    assert zero.shard_layout.owner == tuple(owners) and zero.shard_layout.order == tuple(order)
     assert {id(p) for p in zero.owned_params} == {
         id(p) for i, p in enumerate(model.parameters()) if owners[i] == dist.get_rank()
     }
@@ -47,7 +48,7 @@ def test_set_partition_moves_state_and_persists() -> None:
             torch.testing.assert_close(after["state"][i][k], v, rtol=0, atol=0)
     # the imposed partition survives a rebuild with unchanged params, and training stays exact
     zero.refresh_trainable()
-    assert zero._layout.owner == tuple(owners)
+    assert zero.shard_layout.owner == tuple(owners)
     for s in range(1, 3):
         for m, o in ((model, zero), (ref_model, ref)):
             _backward(m, s)
@@ -64,7 +65,7 @@ def test_set_partition_moves_state_and_persists() -> None:
 @world(2)
 def test_set_partition_errors_raise_everywhere() -> None:
     zero = ShardedOptimizer(_model().parameters(), torch.optim.SGD, lr=0.1)
-    n = len(zero._layout.params)
+    n = len(zero.shard_layout.params)
     with pytest.raises(TypeError, match="owners must be a sequence"):
         zero.set_partition(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"optimizer holds {n} params"):
@@ -92,7 +93,7 @@ def test_sync_params_exact_runs() -> None:
     zero.set_partition(owners, sync_order=[i for u in units for i in u])
     for u in units:
         want = {owners[i] for i in u}
-        works = zero._sync_params([params[i] for i in u], async_op=True)
+        works = zero.sync_params([params[i] for i in u], async_op=True)
         assert len(works) == len(want)
         for w in works:
             w.wait()
@@ -103,7 +104,7 @@ def test_sync_params_exact_runs() -> None:
                 p.fill_(-7.0)
             else:
                 p.fill_(float(i))
-    for w in zero._sync_params([params[i] for i in units[0]], async_op=True):
+    for w in zero.sync_params([params[i] for i in units[0]], async_op=True):
         w.wait()
     for i, p in enumerate(params):
         if owners[i] == dist.get_rank():
@@ -113,7 +114,7 @@ def test_sync_params_exact_runs() -> None:
         else:
             assert torch.all(p == -7.0), i  # not asked for: untouched
     # params outside any buffer layout order (one param, reversed order) still work
-    for w in zero._sync_params([params[3], params[1]], async_op=True):
+    for w in zero.sync_params([params[3], params[1]], async_op=True):
         w.wait()
     assert torch.all(params[1] == 1.0) and torch.all(params[3] == 3.0)
 
@@ -127,28 +128,49 @@ def test_step_local_subset_and_external_stepper() -> None:
     _backward(ref_model)
     params = list(model.parameters())
     subset = params[:3]
-    zero._step_local(subset)
-    for w in zero._sync_params(subset, async_op=True):
+    zero.step_local(subset)
+    for w in zero.sync_params(subset, async_op=True):
         w.wait()
     ref_params = list(ref_model.parameters())
     ref_sub = torch.optim.SGD(ref_params[:3], lr=0.1, momentum=0.9)
     ref_sub.step()
     for a, b in zip(ref_params, params, strict=True):
         assert torch.equal(a, b)  # the subset stepped, the rest unchanged (still initial)
-    # the external stepper protocol
-    zero._attach_stepper("test hook")
-    with pytest.raises(RuntimeError, match="already stepped by test hook"):
-        zero._attach_stepper("another")
-    with pytest.raises(RuntimeError, match="no backward pass with gradient synchronisation"):
+    # the step-driver contract (shardkit.optim.StepDriver)
+    driver = _MarkDriver(zero, "test hook")
+    zero.attach_driver(driver)
+    assert zero.driver is driver
+    with pytest.raises(RuntimeError, match="already driven by test hook"):
+        zero.attach_driver(_MarkDriver(zero, "another"))
+    with pytest.raises(TypeError, match=r"must be a shardkit\.optim\.StepDriver"):
+        ShardedOptimizer(_model().parameters(), torch.optim.SGD, lr=0.1).attach_driver(object())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"no backward ran"):
         zero.step()
-    zero._mark_stepped()
+    driver.marked = True
     before = [p.detach().clone() for p in params]
     with pytest.raises(RuntimeError, match="closure"):
         zero.step(lambda: 0.0)
     assert zero.step() is None
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
-    with pytest.raises(RuntimeError, match="no backward pass"):
+    with pytest.raises(RuntimeError, match=r"no backward ran"):
         zero.step()
-    zero._detach_stepper()
+    zero.detach_driver()
+    assert zero.driver is None
     zero.step()  # a normal step again
     assert any(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+class _MarkDriver(StepDriver):
+    """A minimal driver: steps are "done elsewhere" once ``marked``; refuses otherwise."""
+
+    def __init__(self, zero: ShardedOptimizer, name: str) -> None:
+        self.zero, self.name, self.marked = zero, name, False
+
+    def step(self, closure: Any = None, **kwargs: Any) -> None:
+        error = None
+        if closure is not None:
+            error = "a closure is refused by this driver"
+        elif not self.marked:
+            error = f"rank {self.zero.rank}: no backward ran since the last step"
+        self.zero.check_step(error)
+        self.marked = False

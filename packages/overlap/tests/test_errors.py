@@ -15,7 +15,7 @@ from shardkit.overlap import (
     hook_with_zero_step_interleaved,
     register_zero_overlap,
 )
-from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
+from shardkit.overlap._torch_compat import GradBucket
 from shardkit.testing import world
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -48,20 +48,6 @@ def test_config_is_frozen() -> None:
 
 def test_grad_bucket_is_torch_class() -> None:
     assert GradBucket is dist.GradBucket
-
-
-def test_queue_callback_runs_after_backward() -> None:
-    order: list[str] = []
-    x = torch.ones(2, requires_grad=True)
-    y = (x * 2).sum()
-
-    def hook(grad: torch.Tensor) -> None:
-        _queue_backward_callback(lambda: order.append("callback"))
-        order.append("hook")
-
-    x.register_hook(hook)
-    y.backward()
-    assert order == ["hook", "callback"]
 
 
 @world(2)
@@ -248,3 +234,26 @@ def test_one_rank_errors_raise_on_every_rank() -> None:
     gathered = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     assert torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@world(2, timeout=120)
+def test_a_per_rank_learning_rate_is_refused_before_anything_moves(hooked: bool) -> None:
+    """Issue 29: the agreement runs before any shard moves, also when the hooks step inside
+    backward (ZeRO-1 under plain DDP when ``hooked`` is False)."""
+    net = _net()
+    ddp = DDP(net)
+    zero = ShardedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    overlap = register_zero_overlap(ddp, zero) if hooked else None
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ddp(x).square().mean().backward()
+    zero.step()
+    zero.zero_grad()
+    before = [p.detach().clone() for p in net.parameters()]
+    zero.param_groups[0]["lr"] = 0.1 * (1 + dist.get_rank())  # a per-rank schedule
+    with pytest.raises(ValueError, match="different hyper-parameters"):
+        ddp(x).square().mean().backward()  # the hooks step inside backward
+        zero.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    if overlap is not None:
+        overlap.close()

@@ -103,7 +103,7 @@ def test_one_broadcast_per_bucket_and_owner(shard_buckets: bool) -> None:
     zero = ShardedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
     overlap = register_zero_overlap(ddp, zero, shard_buckets=shard_buckets)
     calls: list[tuple[int, int]] = []
-    original = zero._sync_params
+    original = zero.sync_params
 
     def counting(params: Any = None, async_op: bool = False) -> list[dist.Work]:
         works = original(params, async_op)
@@ -111,7 +111,7 @@ def test_one_broadcast_per_bucket_and_owner(shard_buckets: bool) -> None:
         calls.append((len(owners), len(works)))
         return works
 
-    zero._sync_params = counting  # type: ignore[method-assign]
+    zero.sync_params = counting  # type: ignore[method-assign]
     try:
         for step in range(3):
             calls.clear()

@@ -7,7 +7,6 @@ Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -76,7 +75,6 @@ def test_deferred_step_phases_show_in_a_profiler_trace() -> None:
 
 @world(2)
 def test_no_range_is_opened_without_a_profiler() -> None:
-    import shardkit.overlap._ranges as ranges
 
     opened: list[str] = []
 
@@ -87,7 +85,7 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 
     ddp, overlap = _setup()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ranges.torch.profiler, "record_function", _Spy)
+        mp.setattr(torch.profiler, "record_function", _Spy)  # profiler_range looks it up per call
         _step(ddp, overlap)
         assert opened == []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
@@ -118,32 +116,3 @@ def test_step_placements_outside_the_hooks_are_logged_once() -> None:
     assert len(loop) == 1 and "max_grad_norm=1.0" in loop[0], loop
     deferred = logs.matching("find_unused_parameters=True, so the sharded step runs once")
     assert len(deferred) == 1, deferred
-
-
-def test_profiling_flag_follows_the_profiler() -> None:
-    """Pins torch.autograd.profiler._is_profiler_enabled (see _torch_compat.py): set by both
-    profiler entry points while they run, process-wide."""
-    from shardkit.overlap._torch_compat import profiling
-
-    assert profiling() is False
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        assert profiling() is True
-    assert profiling() is False
-    with torch.autograd.profiler.profile():
-        assert profiling() is True
-    assert profiling() is False
-
-
-def test_profiling_without_the_flag_opens_ranges_and_logs_once(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import shardkit.overlap._torch_compat as compat
-
-    monkeypatch.setattr(compat, "_logged_no_flag", False)
-    monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
-    with caplog.at_level(logging.INFO, logger="shardkit.overlap"):
-        assert compat.profiling() is True and compat.profiling() is True
-    found = [
-        r.getMessage() for r in caplog.records if "_is_profiler_enabled is gone" in r.getMessage()
-    ]
-    assert len(found) == 1, found

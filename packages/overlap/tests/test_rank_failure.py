@@ -34,7 +34,7 @@ def _killed_in_hook(**register_kw):
     # The victim owns the last bucket (net[0]'s params, reduced last); the survivor then does
     # not wait for that bucket's reduction inside the hook, so the failure reaches the future
     # the hook returns to DDP: the path that raised torch's "INTERNAL ASSERT FAILED".
-    layout = zero._layout
+    layout = zero.shard_layout
     victim = layout.owner[[id(p) for p in layout.params].index(id(net[0].weight))]
     iteration = [0]
     # What reduces a bucket inside the hook: the wrapped hook, or the reduces to the owners.

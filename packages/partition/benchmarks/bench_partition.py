@@ -29,7 +29,6 @@ import torch.distributed as dist
 from shardkit.partition import (
     ParamSpec,
     available_shapes,
-    flat_partition,
     load_shapes,
     param_costs,
     partition,
@@ -111,10 +110,7 @@ def test_imbalance_table(benchmark: pytest.FixtureRequest) -> None:
             for algo in ("greedy", "sorted_greedy", "balanced"):
                 cells[algo] = partition(specs, w, algorithm=algo).imbalance
             bound = partition(specs, w).bound  # max(largest param, mean) / mean
-            fp = flat_partition(specs, w, align=128)
-            cells["flat (align 128)"] = fp.imbalance
             assert cells["balanced"] <= cells["sorted_greedy"]
-            assert fp.imbalance <= 1 + 128 / (fp.numel / w)
             if bound <= 1.0:
                 worst[f"{name}@{w}"] = cells["balanced"]
             rows.append(
@@ -124,7 +120,7 @@ def test_imbalance_table(benchmark: pytest.FixtureRequest) -> None:
             )
     header = (
         "| model | world | fairscale OSS | torch ZeRO | greedy | sorted_greedy | balanced "
-        "| flat (align 128) | lower bound |\n|---|---|---|---|---|---|---|---|---|"
+        "| lower bound |\n|---|---|---|---|---|---|---|---|"
     )
     print("\n" + header + "\n" + "\n".join(rows))
     print("worst balanced where the largest param allows 1.0:", max(worst.values()))
@@ -223,16 +219,13 @@ def _min_ms(fn: Callable[[], object], rounds: int = 7) -> float:
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("world", [8, 64])
-@pytest.mark.parametrize("algo", ["greedy", "sorted_greedy", "balanced", "flat"])
+@pytest.mark.parametrize("algo", ["greedy", "sorted_greedy", "balanced"])
 def test_time_10k_ours(
     benchmark: pytest.FixtureRequest, algo: str, world: int, workload: str
 ) -> None:
     specs = _ten_thousand(workload)
     benchmark.group = f"10k params ({workload}), world {world}"
-    if algo == "flat":
-        result = benchmark(flat_partition, specs, world)
-    else:
-        result = benchmark(partition, specs, world, algorithm=algo)
+    result = benchmark(partition, specs, world, algorithm=algo)
     benchmark.extra_info["imbalance"] = result.imbalance
     if algo == "balanced":
         # The same run's LPT (sorted_greedy) on the same input: balanced's extra cost as a

@@ -8,7 +8,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardkit.partition import ParamSpec, buckets_from_sizes, partition, shard_buckets
+from shardkit.partition import ParamSpec, partition, shard_buckets
+
+
+def buckets_from_sizes(
+    bucket_sizes: list[list[int]],
+) -> tuple[list[list[int]], list[float]]:
+    """Buckets given as lists of sizes -> (parameter indices per bucket, cost per index)."""
+    buckets: list[list[int]] = []
+    costs: list[float] = []
+    for sizes in bucket_sizes:
+        start = len(costs)
+        costs.extend(float(x) for x in sizes)
+        buckets.append(list(range(start, len(costs))))
+    return buckets, costs
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.partition import ParamSpec, check_consistent, flat_partition, partition
+from shardkit.partition import ParamSpec, check_consistent, partition
 from shardkit.testing import world
 
 
@@ -28,7 +28,6 @@ def test_consistent_inputs_pass() -> None:
     params = _model_params()
     check_consistent(params)
     check_consistent(partition(params, 2, algorithm="balanced"))
-    check_consistent(flat_partition(params, 2, align=4))
     check_consistent([ParamSpec.from_tensor(p) for p in params], group=dist.group.WORLD)
 
 

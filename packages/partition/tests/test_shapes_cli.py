@@ -15,7 +15,6 @@ from shardkit.partition import (
     ParamSpec,
     _shape_gen,
     available_shapes,
-    flat_partition,
     load_shapes,
     param_costs,
     partition,
@@ -128,7 +127,7 @@ def test_cli_plan_compares_algorithms(capsys: pytest.CaptureFixture[str]) -> Non
                 "--algo",
                 "greedy,balanced",
                 "--algo",
-                "flat",
+                "sorted_greedy",
             ]
         )
         == 0
@@ -136,7 +135,7 @@ def test_cli_plan_compares_algorithms(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "gpt2-small: 148 parameters, 124,439,808 elements" in out
     assert out.count("imbalance (max/mean)") == 3
-    for name in ("greedy", "balanced", "flat"):
+    for name in ("greedy", "balanced", "sorted_greedy"):
         assert re.search(rf"^\s+4  {name}\s+\d", out, re.MULTILINE), name
     assert "lower bound" in out
 
@@ -161,7 +160,7 @@ def test_cli_prints_the_lower_bound_beside_each_result(capsys: pytest.CaptureFix
         main(["plan", "--shapes", "vit-l16", "--world", *worlds, "--algo", "all", "--brief"]) == 0
     )
     rows = _summary(capsys.readouterr().out)
-    assert len(rows) == 3 * 4
+    assert len(rows) == 3 * 3
     specs = load_shapes("vit-l16").specs
     costs = param_costs(specs)
     for w in map(int, worlds):
@@ -173,7 +172,6 @@ def test_cli_prints_the_lower_bound_beside_each_result(capsys: pytest.CaptureFix
             assert cells["bound/mean"] == f"{max(max(costs), mean) / mean:.4f}"
             assert cells["max/bound"] == f"{max(p.loads) / max(max(costs), mean):.4f}"
             assert float(cells["max/bound"]) >= 1.0
-        assert rows[(w, "flat")]["max/bound"] == f"{flat_partition(specs, w).imbalance:.4f}"
     # At 128 ranks the largest parameter (an MLP weight) sets the bound, not the mean.
     assert float(rows[(128, "balanced")]["bound/mean"]) > 1.0
 

@@ -79,7 +79,7 @@ def test_input_errors_are_clear() -> None:
         partition([], 2)
     with pytest.raises(ValueError, match="unknown algorithm 'lpt'"):
         partition(t, 2, algorithm="lpt")
-    with pytest.raises(ValueError, match="flat_partition"):
+    with pytest.raises(ValueError, match="unknown algorithm 'flat'"):
         partition(t, 2, algorithm="flat")
     with pytest.raises(ValueError, match="costs has 2 entries but there are 3"):
         partition(t, 2, costs=[1, 2])

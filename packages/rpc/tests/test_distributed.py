@@ -73,7 +73,7 @@ def _step_paths(opt: DistributedOptimizer) -> dict[str, str]:
 
 
 def _owner_group_option(handle: int, group: int, key: str) -> Any:
-    from shardkit.rpc._owner import _lookup
+    from shardkit.rpc._local_optimizer import _lookup
 
     return _lookup(handle).optimizer.param_groups[group][key]
 
@@ -789,7 +789,7 @@ def _body_unknown_context_on_owner_means_no_gradients(rank: int) -> None:
 
 
 def _handle_alive(handle: int) -> bool:
-    from shardkit.rpc._owner import _handles
+    from shardkit.rpc._local_optimizer import _handles
 
     ref = _handles.get(handle)
     return ref is not None and ref() is not None

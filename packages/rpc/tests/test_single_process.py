@@ -15,6 +15,7 @@ from shardkit.rpc import (
     DistributedOptimizer,
     ParamGroupsView,
     RemoteOptimizerError,
+    _local_optimizer,
     _logging,
     _optimizer,
     _owner,
@@ -161,7 +162,7 @@ def test_script_step_reports_failures_as_text(monkeypatch: pytest.MonkeyPatch) -
     def unknown(handle: int) -> None:
         raise ValueError(f"no optimizer {handle}")
 
-    monkeypatch.setattr(_owner, "_lookup", unknown)
+    monkeypatch.setattr(_local_optimizer, "_lookup", unknown)
     text = _script_step.script_step(12, 1)
     assert isinstance(text, str), text
     assert text.startswith("ValueError: no optimizer 12\n\nOwner traceback:"), text

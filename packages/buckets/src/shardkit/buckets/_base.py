@@ -1,4 +1,4 @@
-"""The flat buffer and slot bookkeeping shared by ``ParamBucket`` and ``GradBucket``."""
+"""The flat buffer and slot bookkeeping of ``ParamBucket`` (the layout ``plan_buckets`` predicts)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ def _align_up(value: int, multiple: int) -> int:
 # [Note: Bucket views]
 # A bucket owns one 1-D tensor, ``buffer``. Each registered tensor gets a *slot*: the
 # contiguous range ``buffer[offset : offset + numel]``, viewed with the tensor's shape. The
-# registered tensor (``p.data`` for a ParamBucket, ``p.grad`` for a GradBucket) is then set to
-# that view, so the tensor and the buffer share storage and an in-place write to either one is
-# visible through the other: this is what lets a single collective on ``buffer`` act on every
-# param, and what lets autograd accumulate straight into the buffer.
+# registered tensor (``p.data`` of a ParamBucket's params) is then set to that view, so the
+# tensor and the buffer share storage and an in-place write to either one is visible through
+# the other: this is what lets a single collective on ``buffer`` act on every param.
 #
 # Layout rules, identical in the buckets and in plan_buckets so that a plan's offsets are the
 # offsets a bucket will use:
@@ -36,9 +35,9 @@ def _align_up(value: int, multiple: int) -> int:
 #     splits evenly into one shard per rank (reduce-scatter, all-gather); the tail is zeros.
 #
 # Whether a tensor is "still a view of its slot" is decided by _is_slot_view: same storage,
-# same storage offset, same shape, contiguous. Anything else (``None`` after
-# ``zero_grad(set_to_none=True)``, a fresh tensor assigned by the user or created by autograd)
-# is *detached* and is re-attached by ``reattach()``, which copies its value into the slot.
+# same storage offset, same shape, contiguous. Anything else (a fresh tensor assigned by the
+# user, or by ``module.to()``) is *detached* and is re-attached by ``reattach()``, which copies
+# its value into the slot.
 
 
 def _is_slot_view(

@@ -125,7 +125,7 @@ class ParamBucket(_FlatBucket):
         Raises:
             ValueError: With ``keep_param_alignment=True``, the move would change the dtype or
                 device of a param that has a ``.grad``. Set grads to ``None`` first
-                (``optimizer.zero_grad(set_to_none=True)`` or ``GradBucket.collapse()``).
+                (``optimizer.zero_grad(set_to_none=True)``).
         """
         probe = self._target_probe(device, dtype, keep_param_alignment)
         if keep_param_alignment:
@@ -153,6 +153,6 @@ class ParamBucket(_FlatBucket):
                     f"{what}: {self._label(idx)} has a .grad ({param.grad.dtype}, "
                     f"{param.grad.device}); moving it to ({target.dtype}, {target.device}) would "
                     f"leave the grad on the old dtype/device. Set grads to None first "
-                    f"(optimizer.zero_grad(set_to_none=True) or GradBucket.collapse()), or pass "
+                    f"(optimizer.zero_grad(set_to_none=True)), or pass "
                     f"keep_param_alignment=False."
                 )

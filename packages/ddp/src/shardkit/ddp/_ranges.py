@@ -14,27 +14,20 @@ A profiler trace of a step shows these ranges (all under ``shardkit.ddp.``):
 
 Ranges sit on a per-bucket path (one per bucket launch and wait), and a range costs ~1-10 us
 to open even when nobody profiles, so they are opened only while a profiler runs in this
-process (``profiling()`` in ``_torch_compat``), as shardkit-rpc does. The bucket's name is
-formatted only then.
+process, as shardkit-rpc does: ``shardkit.optim.profiler_range`` (shardkit-optim's [Note:
+Ranges only while profiling]).
 """
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import AbstractContextManager
 from typing import Any
 
-import torch
-from shardkit.ddp._torch_compat import profiling
+from shardkit.optim import profiler_range
 
 __all__: list[str] = []
-
-_NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def phase(name: str, index: int | None = None) -> AbstractContextManager[Any]:
     """``record_function("shardkit.ddp.<name>[<index>]")`` while a profiler runs, else a no-op."""
-    if not profiling():
-        return _NO_RANGE
-    full = f"shardkit.ddp.{name}" if index is None else f"shardkit.ddp.{name}[{index}]"
-    return torch.profiler.record_function(full)
+    return profiler_range(f"shardkit.ddp.{name}", index)

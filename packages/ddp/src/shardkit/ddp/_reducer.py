@@ -11,7 +11,7 @@ allocated, and logged once, only if a backward fills three buckets at once out o
 Buckets are launched strictly in index order on every rank: a complete bucket launches only
 once every earlier bucket has launched, so every rank issues the same collectives in the same
 order whatever order its hooks fire in. At the end of the backward pass (an autograd-engine
-callback, see ``_torch_compat``) the buckets still waiting are flushed: params that got no
+callback, ``shardkit.optim.queue_end_of_backward``) the buckets still waiting are flushed: params that got no
 gradient in this pass stage what they have (a gradient accumulated under ``no_sync()``) or
 zeros, as DDP with ``find_unused_parameters=True`` does, and every remaining bucket launches.
 
@@ -29,24 +29,142 @@ cast into the bucket's ``grad_shard`` (the params' dtype) when the work complete
 added when the shard already holds an unconsumed gradient). So fp16 reduction of an fp32 model
 halves the wire bytes and the staging memory, and costs the precision of an fp16 sum, like
 DDP's ``fp16_compress_hook``; ``reduce_dtype=torch.float32`` on a bf16 model sums in fp32.
+
+[Note: Reduced-grad placeholders]
+Once a synchronised backward has staged a param's gradient, ``.grad`` is not left ``None``
+(torch's ``clip_grad_norm_`` would then see no gradient and return 0.0 without clipping): it is
+set to that param's :class:`_ReducedGrad`, a ``torch.Tensor`` subclass of the param's shape,
+dtype and device that expands one shared 0-d zero per (dtype, device), so it holds no memory.
+Its ``__torch_function__`` lets metadata through (``shape``, ``dtype``, ``device``,
+``is_sparse``, ``size()``, ...) and turns what ``zero_grad(set_to_none=False)`` of
+``nn.Module`` and ``torch.optim`` calls on a ``.grad`` (``zero_``, ``requires_grad_``,
+``detach_``, ``_foreach_zero_``) into no-ops; every other torch op (``torch.linalg.vector_norm``,
+``torch._foreach_norm``, ``mul_``, ...) raises a RuntimeError naming
+``ShardedDataParallel.clip_grad_norm_``. The reduced gradient itself lives in the owners' grad
+shards, cut at element boundaries that need not follow any dimension of the param (a rank may
+hold 7 rows and 15 elements of a 12 x 16 weight), so it has no DTensor form (``Shard(dim)`` /
+``Replicate`` placements per param, FSDP2's answer) that torch's clip could reduce; hence an
+error, not a value.
+
+A placeholder never reaches autograd: every bucketed param carries a tensor hook (run before
+``AccumulateGrad`` reads ``.grad``) that drops it, so the next backward, ``no_sync()`` or not,
+accumulates into ``None`` exactly as after ``zero_grad()``; the reduced gradient is still in the
+shard. Placeholders stay after ``step()`` (torch's clip after the step raises too, where DDP
+would measure the stale gradients) and are dropped by the wrapper's and the optimizer's
+``zero_grad`` (both ``set_to_none`` values: the shards are consumed, so there is no gradient).
+``copy.deepcopy`` of a param does not copy ``.grad`` (``nn.Parameter.__deepcopy__``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import torch
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._ranges import phase
-from shardkit.ddp._torch_compat import queue_end_of_backward
+from shardkit.optim import queue_end_of_backward
 
 __all__: list[str] = []
 
 logger = logging.getLogger("shardkit.ddp")
 _MAX_STAGING = 2
 _warned_extra_staging = False
+
+
+class _ReducedGrad(torch.Tensor):
+    """``.grad`` of a param whose gradient was reduce-scattered into the owners' shards.
+
+    See [Note: Reduced-grad placeholders]. Metadata reads work, torch ops raise.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or name in _METADATA:  # property getters and metadata methods
+            return cast(Any, super()).__torch_function__(func, types, args, kwargs)
+        if name in _NO_OPS:  # what zero_grad(set_to_none=False) calls on a .grad
+            return args[0] if args else None
+        if name == "_foreach_zero_":  # torch.optim's zero_grad(set_to_none=False), foreach
+            for t in args[0]:
+                if not isinstance(t, _ReducedGrad):
+                    t.zero_()
+            return None
+        raise RuntimeError(_reduced_grad_error(func, args))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"_ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
+            f"reduce-scattered by ShardedDataParallel into the owners' gradient shards)"
+        )
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+
+_METADATA = frozenset(
+    (
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "untyped_storage",
+        "data_ptr",
+        "__hash__",
+        "__len__",
+    )
+)
+_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
+
+
+def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
+    where = [a for a in args if isinstance(a, _ReducedGrad)]
+    where += [
+        t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, _ReducedGrad)
+    ]
+    what = f"shape {tuple(where[0].shape)}, {where[0].dtype}" if where else "a param's"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return (
+        f"{name} was called on the .grad of a param ({what}) wrapped by "
+        f"shardkit.ddp.ShardedDataParallel, whose gradient was reduce-scattered into the "
+        f"gradient shards of the ranks that own it: .grad is a placeholder without values, so "
+        f"torch.nn.utils.clip_grad_norm_ and any other op on it cannot run. Clip with "
+        f"ShardedDataParallel.clip_grad_norm_(max_norm) (or optimizer.clip_grad_norm(max_norm), "
+        f"collective, on every rank) after backward and before optimizer.step(). For full "
+        f"local gradients in .grad, run the backward under ddp.no_sync() (ddp.reduce() then "
+        f"reduces them); for all-reduced full gradients, use torch DistributedDataParallel."
+    )
+
+
+def _drop_placeholder(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Tensor hook of every bucketed param: runs before ``AccumulateGrad`` reads ``.grad``.
+
+    See [Note: Reduced-grad placeholders].
+    """
+    if type(p.grad) is _ReducedGrad:
+        p.grad = None
+
+
+def is_placeholder(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a reduced-grad placeholder (see [Note: Reduced-grad placeholders])."""
+    return type(t) is _ReducedGrad
 
 
 class _Reducer:
@@ -66,6 +184,9 @@ class _Reducer:
         self.next_launch = 0
         self.in_backward = False
         self.enabled = True
+        self.on_backward_start: Callable[[], None] | None = None
+        """Called at the first gradient of a synchronised backward, before any collective of it
+        (``ShardedDataParallel``'s agreement; see shardkit-optim's [Note: Call agreement])."""
         """False under ``no_sync()``: hooks leave ``.grad`` to accumulate locally."""
         self.inflight: list[tuple[_Bucket, _Pending]] = []
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -77,6 +198,44 @@ class _Reducer:
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
         self._gaps = {id(b): _gaps(b) for b in self.buckets}
+        self._bases: dict[int, torch.Tensor] = {}
+        """The whole staging buffer of each bucket holding one (its staging is a prefix view)."""
+        self.clipped: set[int] = set()
+        """Indices of buckets whose reduced gradient was clipped since it was last reduced
+        into (a second clip raises, see ``ShardedDataParallel._clip_units``)."""
+        zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._placeholders: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            zero = zeros.setdefault(
+                (b.dtype, b.device), torch.zeros((), dtype=b.dtype, device=b.device)
+            )
+            for p in b.params:
+                self._placeholders[id(p)] = zero.expand(p.shape).as_subclass(_ReducedGrad)
+
+    # ------------------------------------------------------------------ placeholders
+    def register_hooks(self) -> list[Any]:
+        """Registers the backward hooks of every bucketed param; returns their handles."""
+        handles: list[Any] = []
+        for b in self.buckets:
+            for p in b.params:
+                param = cast(Any, p)
+                handles.append(param.register_hook(functools.partial(_drop_placeholder, p)))
+                handles.append(param.register_post_accumulate_grad_hook(self.on_grad))
+        return handles
+
+    def _set_placeholder(self, p: torch.Tensor) -> None:
+        p.grad = self._placeholders[id(p)]
+
+    # ------------------------------------------------------------------ clip state
+    def clip_flags(self, buckets: Sequence[_Bucket]) -> tuple[bool, bool]:
+        """(``buckets`` hold a reduced gradient not consumed yet, one of those was clipped
+        already) on this rank. See [Note: Clip agreement]."""
+        live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
+        return bool(live), any(b.index in self.clipped for b in live)
+
+    def mark_clipped(self, buckets: Sequence[_Bucket]) -> None:
+        """Records that the live gradients of ``buckets`` were clipped."""
+        self.clipped.update(b.index for b in buckets if not b.grad_fresh)
 
     # ------------------------------------------------------------------ staging buffers
     def wire_dtype(self, b: _Bucket) -> torch.dtype:
@@ -87,7 +246,7 @@ class _Reducer:
         return (self.wire_dtype(b), b.device)
 
     def staging_bytes(self) -> int:
-        """Bytes of staging buffers allocated so far."""
+        """Bytes of staging buffers alive now (see [Note: Staging lifetime])."""
         return sum(
             n * self._size[k] * torch.empty((), dtype=k[0]).element_size()
             for k, n in self._count.items()
@@ -121,13 +280,14 @@ class _Reducer:
             buf = torch.empty(self._size[key], dtype=key[0], device=b.device)
             self._count[key] += 1
         view = buf[: b.numel]
+        self._bases[id(b)] = buf
         for start, end in self._gaps[id(b)]:
             view[start:end].zero_()
         return view
 
     def _release(self, b: _Bucket) -> None:
         if b.staging is not None:
-            base = b.staging._base if b.staging._base is not None else b.staging
+            base = self._bases.pop(id(b))
             self._free[self._key(b)].append(base)
             b.staging = None
 
@@ -137,6 +297,8 @@ class _Reducer:
         if not self.enabled:
             return
         if not self.in_backward:
+            if self.on_backward_start is not None:  # the wrapper's agreement: may raise
+                self.on_backward_start()
             self.in_backward = True
             self.next_launch = 0
             for b in self.buckets:
@@ -146,7 +308,7 @@ class _Reducer:
         if i not in b.pending or p.grad is None:
             return
         self._stage(b, i, p.grad)
-        p.grad = None
+        self._set_placeholder(p)  # See [Note: Reduced-grad placeholders]
         b.pending.discard(i)
         self._launch_ready()
 
@@ -155,7 +317,7 @@ class _Reducer:
             b.staging = self._acquire(b)
         p = b.params[i]
         view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
-        if grad is None:
+        if grad is None or type(grad) is _ReducedGrad:  # no new gradient in this pass
             view.zero_()
         elif view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
             torch.mul(grad.detach(), self.scale, out=view)
@@ -179,6 +341,7 @@ class _Reducer:
         b.out = out
         b.add_out = not b.grad_fresh
         b.grad_fresh = False
+        self.clipped.discard(b.index)
         b.launched = True
         with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
             self.inflight.append((b, self.comm.reduce_scatter(out, b.staging)))
@@ -190,7 +353,7 @@ class _Reducer:
                 for i in sorted(b.pending):
                     p = b.params[i]
                     self._stage(b, i, p.grad)
-                    p.grad = None
+                    self._set_placeholder(p)
                 b.pending.clear()
             self._launch_ready()
         finally:
@@ -214,11 +377,69 @@ class _Reducer:
         with phase("wait"):  # See [Note: Profiler ranges]
             while self.inflight:
                 self._finish(0)
+        if not self.in_backward:
+            self._empty_pool()
+
+    # [Note: Staging lifetime]
+    # A bucket's staging buffer lives from its bucket's first gradient in backward until its
+    # reduce-scatter has completed (``_finish`` returns it to the pool, where the next bucket of
+    # the same backward takes it). Once a step, clip, zero_grad or state access has waited for
+    # the last reduction, the pool is emptied: nothing of it is alive between steps, so after
+    # ``step()`` a rank holds params, its grad shards and its optimizer state only (issue 25's
+    # memory target). The next backward allocates again: free with a caching allocator (CUDA);
+    # on CPU the allocator reuses the pages just freed.
+    def _empty_pool(self) -> None:
+        for key, free in self._free.items():
+            self._count[key] -= len(free)
+            free.clear()
 
     def consume(self, buckets: Sequence[_Bucket]) -> None:
         """Marks the grad shards of ``buckets`` consumed (after a step or ``zero_grad``)."""
         for b in buckets:
             b.grad_fresh = True  # the next reduce-scatter overwrites the shard
+            self.clipped.discard(b.index)
+
+
+# [Note: Clip agreement]
+# ``ShardedDataParallel.clip_grad_norm_`` (and a wrapped ``optimizer.clip_grad_norm``) must not
+# return 0.0 when there is nothing to clip. Per bucket, ``grad_fresh`` says whether its shard
+# holds a gradient reduced since the last step / zero_grad (set at each reduce-scatter launch,
+# cleared by ``consume``), and ``_Reducer.clipped`` whether that gradient was clipped already
+# (cleared by the next launch into the bucket and by ``consume``). Both change only at
+# collective points (launches in bucket order, steps, clips), so well-formed programs agree on
+# them; still, each rank's two flags (any live bucket, any live bucket clipped) ride on the
+# norm's one all-reduce (SUM: counts; MAX for the inf-norm: ``f`` and ``-f``, i.e. any / all),
+# and every rank decides from the reduced values: no extra collective, the same raise on every
+# rank, never a hang. No live bucket: raise (after ``step()``, after ``zero_grad()``, before any
+# backward); a live bucket clipped already: raise (called twice); ranks that disagree: raise.
+def check_clip(
+    anyf: Sequence[bool], allf: Sequence[bool], counts: Sequence[int] | None, world: int
+) -> None:
+    """Raises on every rank unless every rank has unclipped reduced gradients.
+
+    ``anyf`` / ``allf``: whether any / every rank has (live gradients, clipped ones);
+    ``counts``: how many ranks have each (``None`` for the inf-norm's MAX reduction).
+    """
+    for k, what in enumerate(("gradients to clip", "already clipped gradients")):
+        if anyf[k] != allf[k]:
+            how = f"{counts[k]} of {world} ranks have" if counts is not None else "some ranks have"
+            raise RuntimeError(
+                f"clip_grad_norm_: ranks disagree: {how} {what}. Every rank must run the same "
+                f"backward passes, step() and clip calls in the same order; raised on every rank"
+            )
+    if not allf[0]:
+        raise RuntimeError(
+            "ShardedDataParallel.clip_grad_norm_ / optimizer.clip_grad_norm found no gradient to "
+            "clip: none was reduced since the last optimizer.step() or zero_grad() (the step "
+            "consumes the reduced gradients; a clip after it would clip nothing). Call it after "
+            "backward and before step(), on every rank."
+        )
+    if allf[1]:
+        raise RuntimeError(
+            "ShardedDataParallel.clip_grad_norm_ / optimizer.clip_grad_norm was already called on "
+            "these gradients since they were reduced: clip once, after backward and before "
+            "step() (a second clip would only measure the clipped gradients)."
+        )
 
 
 def _gaps(b: _Bucket) -> list[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """``ShardedDataParallel``: ZeRO-2 data parallelism that moves exactly DDP's bytes.
 
-How the wrapped optimizers are driven: [Note: Optimizer hand-over] in ``shardkit.ddp._handover``.
+How the wrapped optimizers are driven: [Note: Optimizer hand-over] in ``shardkit.ddp._unit``.
 """
 
 from __future__ import annotations
@@ -14,19 +14,27 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from shardkit.ddp._comm import CommStats, _Comm, _Pending
-from shardkit.ddp._handover import _Unit, take_over
 from shardkit.ddp._layout import _Bucket, build_buckets, is_elementwise
+from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
 from shardkit.ddp._ranges import phase
-from shardkit.ddp._reducer import _Reducer
+from shardkit.ddp._reducer import _Reducer, check_clip, is_placeholder
 from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
 from shardkit.ddp._stepper import _Stepper
-from shardkit.optim import ShardedOptimizer
-from shardkit.partition import all_gather_objects, check_consistent
+from shardkit.ddp._unit import _Host, _Unit
+from shardkit.optim import ShardedOptimizer, agree_call, agree_values, register_call
+from shardkit.partition import check_consistent
 from torch import nn
 
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger("shardkit.ddp")
+
+# Collective phases of the wrapper, agreed between ranks: see [Note: Wrapper agreements].
+_BACKWARD = register_call("ShardedDataParallel backward (gradient reduce-scatter)")
+_FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
+_REDUCE = register_call("ShardedDataParallel.reduce()")
+_CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
+_STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
 _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -36,9 +44,22 @@ class ShardedDataParallel(nn.Module):
     Gradients are reduce-scattered bucket by bucket during backward into the shard of the rank
     that owns them; ``optimizer.step()`` steps every rank's shard and all-gathers the params.
     Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
-    the optimizer state (and of the fp32 masters with ``master_dtype``), plus two staging
-    buckets. See [Note: Owner-contiguous buckets] (``shardkit.ddp._layout``) for the layout and
-    [Note: Optimizer hand-over] (``shardkit.ddp._handover``) for how the optimizers are driven.
+    the optimizer state (and of the fp32 masters with ``master_dtype``), plus, during backward
+    only, at most two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
+    See [Note: Owner-contiguous buckets] (``shardkit.ddp._layout``) for the layout and
+    [Note: Optimizer hand-over] (``shardkit.ddp._unit``) for how the optimizers are driven.
+
+    Gradients and clipping: after a synchronised backward a param's ``.grad`` is a memory-less
+    placeholder of its shape and dtype (the reduced gradient lives in the owners' shards), on
+    which every torch op raises: ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)``
+    raises a RuntimeError instead of returning 0.0 and clipping nothing. Clip with
+    :meth:`clip_grad_norm_` (or ``optimizer.clip_grad_norm``) after backward and before
+    ``step()``; it raises after ``step()`` or when called twice. Backwards under
+    :meth:`no_sync` leave full local gradients in ``.grad``, as DDP does. See [Note:
+    Reduced-grad placeholders] in ``shardkit.ddp._reducer``.
+
+    ``copy.deepcopy`` of the wrapped module gives a plain module (finished params, no hooks,
+    no process group), as under DDP; see [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``.
 
     Args:
         module: the model, already on its device, identical on every rank (or synchronised
@@ -129,6 +150,7 @@ class ShardedDataParallel(nn.Module):
         self.reduce_dtype = reduce_dtype
         self._comm = _Comm(self.group)
         _check_params(module, [o.param_groups for o in opts])
+        _agree_structure(module, opts[0].group)  # before any collective on params/buffers
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
         buckets: list[_Bucket] = []
@@ -146,8 +168,19 @@ class ShardedDataParallel(nn.Module):
         self._buckets = buckets
         if sync_models_at_startup:
             self._sync_at_startup(params)
+        host = _Host(
+            self.rank,
+            self.world_size,
+            self._step_unit,
+            self._zero_grad_units,
+            self._clip_units,
+            self._finish_reductions,
+            self.optimizer_state_dict,
+            self.load_optimizer_state_dict,
+        )
         self._units = [
             _Unit(
+                host,
                 k,
                 o,
                 buckets[a:b],
@@ -159,18 +192,16 @@ class ShardedDataParallel(nn.Module):
                     self.rank,
                     o.master_dtype,
                 ),
-                [p.requires_grad for g in o.param_groups for p in g["params"]],
             )
             for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True))
         ]
         self._reducer = _Reducer(buckets, self._comm, reduce_dtype)
+        self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
+        self._no_sync_entries = 0
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
-        self._handles = [
-            cast(Any, p).register_post_accumulate_grad_hook(self._reducer.on_grad)
-            for b in buckets
-            for p in b.params
-        ]
+        # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
+        self._handles: list[Any] = self._reducer.register_hooks()
         self.last_closure_loss: Any = None
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
@@ -185,13 +216,14 @@ class ShardedDataParallel(nn.Module):
             own = sorted({where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where})
             if own:
                 self._module_buckets[sub] = own
-                self._handles.append(sub.register_forward_pre_hook(self._pre_forward))
+                self._handles.append(sub.register_forward_pre_hook(_Hook(self._pre_forward)))
+                make_deepcopy_plain(sub, self.wait_params)  # See [Note: Plain deepcopy]
         self._handles.append(
-            cast(Any, module).register_state_dict_pre_hook(self._before_state_dict)
+            cast(Any, module).register_state_dict_pre_hook(_Hook(self._before_state_dict))
         )
-        self._pre_hooks: list[Any] = []
-        for unit in self._units:
-            take_over(self, unit)
+        make_deepcopy_plain(module, self.wait_params)
+        for unit in self._units:  # See [Note: Optimizer hand-over]
+            unit.opt.attach_driver(unit)
         self._comm.stats.reset()
 
     # ------------------------------------------------------------------ set-up
@@ -225,9 +257,22 @@ class ShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":
-                raise
+            if name == "module" or (name.startswith("__") and name.endswith("__")):
+                raise  # protocols (__deepcopy__, ...) are the wrapper's own, never the module's
             return getattr(self.module, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedDataParallel:
+        """Refuses: the wrapper holds a process group and this rank's shards.
+
+        Raises:
+            TypeError: always; deep-copy the wrapped module instead (a plain module, see
+                [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``).
+        """
+        raise TypeError(
+            "copy.deepcopy of a ShardedDataParallel is not supported (it holds a process group "
+            "and this rank's gradient and optimizer shards); copy the wrapped module instead: "
+            "copy.deepcopy(ddp.module) gives a plain nn.Module with the current params"
+        )
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -254,9 +299,11 @@ class ShardedDataParallel(nn.Module):
                         )
         if self._reducer.in_backward and not self._reducer.inflight:
             self._reducer.in_backward = False  # the last backward raised before its end
-        if self.broadcast_buffers and self._sync_buffers_next:
+        buffers = list(self.module.buffers()) if self.broadcast_buffers else []
+        if buffers and self._sync_buffers_next:
+            self._agree(_FORWARD)  # See [Note: Wrapper agreements]
             with torch.no_grad(), phase("broadcast_buffers"):
-                for buf in self.module.buffers():
+                for buf in buffers:
                     self._comm.broadcast(buf, 0)
         out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
@@ -269,6 +316,7 @@ class ShardedDataParallel(nn.Module):
         a full-size local gradient while accumulating)."""
         old = self._no_sync
         self._no_sync = True
+        self._no_sync_entries += 1  # agreed at the next reduction: see _agree_reduction
         self._reducer.enabled = False
         try:
             yield
@@ -281,28 +329,53 @@ class ShardedDataParallel(nn.Module):
         backward pass (fairscale's manual reduction). Collective."""
         if self._reducer.in_backward:
             raise RuntimeError("ShardedDataParallel.reduce() cannot run inside a backward pass")
+        self._agree_reduction(_REDUCE)
         for b in self._buckets:
             b.reset_backward()
         self._reducer.next_launch = 0
         self._reducer.flush()
 
-    # ------------------------------------------------------------------ step
-    def _pre_step(
-        self, unit: _Unit, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The real step of ``unit``'s optimizer; see [Note: Optimizer hand-over].
+    # ------------------------------------------------------------------ agreement
+    # [Note: Wrapper agreements]
+    # Every collective phase of the wrapper starts with shardkit-optim's bounded call agreement
+    # (its [Note: Call agreement]), so ranks that are not in the same phase raise on every rank,
+    # naming the phases, within ``collective_timeout`` (default 30 s), instead of pairing
+    # mismatched collectives (a Gloo abort) or waiting for the process group's timeout:
+    # the buffer broadcast before a forward, the first gradient of every synchronised backward
+    # (which also agrees on how many ``no_sync()`` blocks each rank entered since the last
+    # reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()``; the step
+    # agrees through ``ShardedOptimizer.check_step``. One 48-byte all-reduce on a side Gloo
+    # group each.
+    def _agree(self, call: str, digest: int = 0) -> bool:
+        opt = self.sharded_optimizers[0]
+        same, _, _ = agree_call(call, self.group, opt.collective_timeout, digest=digest)
+        return bool(same)
 
-        A closure (fairscale's loops pass one) is evaluated here, once, before the step, and
-        removed from the call, so ``step(closure)`` returns ``None``; the loss is kept in
-        :attr:`last_closure_loss`.
+    def _agree_reduction(self, call: str) -> None:
+        entries, self._no_sync_entries = self._no_sync_entries, 0
+        if not self._agree(call, digest=entries):
+            raise RuntimeError(
+                f"{call}: ranks entered no_sync() a different number of times since the last "
+                f"reduction (this rank: {entries}); every rank must accumulate under no_sync() "
+                f"alike, or the reduced gradients mix different numbers of micro-batches"
+            )
+
+    # ------------------------------------------------------------------ step
+    def _step_unit(self, unit: _Unit, closure: Any) -> Any:
+        """``unit``'s optimizer's ``step(closure)``; see [Note: Optimizer hand-over].
+
+        A closure (fairscale's loops pass one) is evaluated first, once; its loss is returned
+        and kept in :attr:`last_closure_loss`. Both agreements run before any shard moves.
         """
-        closure = args[1] if len(args) > 1 else kwargs.pop("closure", None)  # args[0] is opt
-        args = args[:1]
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                self.last_closure_loss = closure()
+                loss = closure()
+            self.last_closure_loss = loss
         with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._ranges
-            self._agree_trainable(unit)
+            # Hyper-parameters, requires_grad and the call itself, agreed before any shard
+            # moves (shardkit-optim's [Note: Call agreement]).
+            unit.opt.check_step(self._trainable_error(unit))
             self.wait_params()
             self._reducer.finish_all()
             with phase("local_step"):
@@ -310,32 +383,28 @@ class ShardedDataParallel(nn.Module):
             self._reducer.consume(unit.buckets)
             with phase("all_gather"):
                 self._all_gather_params(unit.buckets)
-        unit.opt._mark_stepped()
-        return args, kwargs
+        return loss
 
-    def _agree_trainable(self, unit: _Unit) -> None:
-        """Raises on every rank if ``requires_grad`` changed on any rank since construction.
+    def _finish_reductions(self) -> None:
+        """Waits for every in-flight reduce-scatter."""
+        self._reducer.finish_all()
 
-        One 4-byte all-reduce (MAX of ``rank + 1`` over the ranks that see a change) before
-        the step's first wait, so a change on one rank cannot leave the others waiting in the
-        step's collectives.
-        """
+    def _trainable_error(self, unit: _Unit) -> str | None:
+        """This rank's reason to refuse the step if ``requires_grad`` changed since
+        construction; raised on every rank by the optimizer's per-step agreement."""
         changed = [
             i
             for i, (p, t) in enumerate(zip(unit.params(), unit.trainable, strict=True))
             if p.requires_grad != t
         ]
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flag = torch.tensor([self.rank + 1 if changed else 0], dtype=torch.int32, device=device)
-        self._comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-        who = int(flag.item()) - 1
-        if who >= 0:
-            mine = f" (here: params {changed[:5]}, global indices)" if changed else ""
-            raise RuntimeError(
-                f"requires_grad changed after ShardedDataParallel was built, on rank {who} "
-                f"at least{mine}; the bucket layout is fixed at construction: build a new "
-                f"ShardedOptimizer and ShardedDataParallel after changing requires_grad"
-            )
+        if not changed:
+            return None
+        return (
+            f"requires_grad changed after ShardedDataParallel was built, on rank {self.rank} "
+            f"(params {changed[:5]}, global indices); the bucket layout is fixed at "
+            f"construction: build a new ShardedOptimizer and ShardedDataParallel after "
+            f"changing requires_grad"
+        )
 
     # [Note: Deferred param gather]
     # With overlap_param_gather the all-gathers of a step stay in flight when step() returns,
@@ -390,8 +459,8 @@ class ShardedDataParallel(nn.Module):
             unit.stepper.factors.clear()
         for p in params if params is not None else (p for u in units for p in u.params()):
             if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
+                if set_to_none or is_placeholder(p.grad):  # the shard it stood for is consumed
+                    p.grad = None  # See [Note: Reduced-grad placeholders]
                 else:
                     p.grad.zero_()
 
@@ -400,7 +469,15 @@ class ShardedDataParallel(nn.Module):
 
         Collective. Call after backward and before ``step()``. Returns the total norm. With
         several optimizers, the norm is over all of them (``optimizer.clip_grad_norm`` clips
-        one optimizer's params by their own norm, as fairscale's OSS does).
+        one optimizer's params by their own norm, as fairscale's OSS does). This is the clip
+        to use under this wrapper: ``torch.nn.utils.clip_grad_norm_(module.parameters())``
+        raises (see the class docstring).
+
+        Raises:
+            RuntimeError: on every rank, when no gradient was reduced since the last
+                ``step()`` / ``zero_grad()`` (e.g. called after the step), when these
+                gradients were already clipped (called twice), or when ranks disagree on
+                either. See [Note: Clip agreement] in ``shardkit.ddp._reducer``.
         """
         return self._clip_units(self._units, max_norm, norm_type)
 
@@ -412,24 +489,35 @@ class ShardedDataParallel(nn.Module):
         if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
             raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
         norm_type = float(norm_type)
+        self._agree(_CLIP)  # See [Note: Wrapper agreements]
         with phase("clip_grad_norm"):
             self._reducer.finish_all()
             self.wait_params()
             device = self._buckets[0].device if self._buckets else torch.device("cpu")
             norms = [u.stepper.local_norm(u.buckets, norm_type, device) for u in units]
             local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            # See [Note: Clip agreement] in shardkit.ddp._reducer: the flags ride on the norm's
+            # all-reduce, and every rank takes the same decision from the reduced values.
+            buckets = [b for u in units for b in u.buckets]
+            flags = torch.tensor(self._reducer.clip_flags(buckets), device=device)
             if math.isinf(norm_type):
-                total = local.reshape(1).clone()
-                self._comm.all_reduce(total, op=dist.ReduceOp.MAX)
-                total = total[0]
+                payload = torch.cat([local.reshape(1), flags.float(), -flags.float()])
+                self._comm.all_reduce(payload, op=dist.ReduceOp.MAX)
+                total = payload[0]
+                counts = None  # MAX gives any / all only
+                anyf, allf = payload[1:3] > 0, -payload[3:5] > 0
             else:
-                acc = local.double().pow(norm_type).reshape(1)
-                self._comm.all_reduce(acc)
-                total = acc[0].pow(1.0 / norm_type).float()
+                payload = torch.cat([local.double().pow(norm_type).reshape(1), flags.double()])
+                self._comm.all_reduce(payload)
+                total = payload[0].pow(1.0 / norm_type).float()
+                counts = [int(c) for c in payload[1:3].tolist()]
+                anyf, allf = payload[1:3] > 0, payload[1:3] == self.world_size
+            check_clip(anyf.tolist(), allf.tolist(), counts, self.world_size)
             coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
             for u in units:
                 u.stepper.apply_clip(u.buckets, coef)
-            return cast(torch.Tensor, total)
+            self._reducer.mark_clipped(buckets)
+            return total
 
     # ------------------------------------------------------------------ state
     def _unit(self, optimizer: int | ShardedOptimizer | None) -> _Unit:
@@ -461,6 +549,7 @@ class ShardedDataParallel(nn.Module):
         See [Note: Optimizer state format] in ``shardkit.ddp._state_dict``.
         """
         unit = self._unit(optimizer)
+        self._agree(_STATE_DICT)  # See [Note: Wrapper agreements]
         self._reducer.finish_all()
         self.wait_params()
         return full_state_dict(unit.stepper, unit.buckets, unit.opt.param_groups, self.group)
@@ -506,9 +595,9 @@ def _optimizers(given: object) -> list[ShardedOptimizer]:
                 f"sharded_optimizer[{k}] must be a shardkit.optim.ShardedOptimizer (or OSS), got "
                 f"{type(opt).__name__}; wrap the params with ShardedOptimizer(params, optim=...)"
             )
-        if opt._stepper is not None:
+        if opt.driver is not None:
             raise ValueError(
-                f"sharded_optimizer[{k}] is already driven by {opt._stepper}; an optimizer can "
+                f"sharded_optimizer[{k}] is already driven by {opt.driver.name}; an optimizer can "
                 f"be wrapped by one ShardedDataParallel (or overlap hook) only"
             )
         if opts and opt.group is not opts[0].group:
@@ -586,12 +675,50 @@ def _check_params(module: nn.Module, per_opt: list[list[dict[str, Any]]]) -> Non
 
 
 def _agree_plan(prints: list[str], group: dist.ProcessGroup) -> None:
-    gathered = all_gather_objects(prints, group)
-    for r, other in enumerate(gathered):
-        if other != gathered[0]:
-            raise ValueError(
-                f"ranks 0 and {r} plan different gradient buckets (bucket plan fingerprints "
-                f"per param group differ: {gathered[0]} vs {other}); build the model, the "
-                f"optimizer's param groups and ShardedDataParallel's bucket caps identically "
-                f"on every rank"
-            )
+    agree_values(
+        prints,
+        group,
+        "the gradient bucket plan (fingerprints per param group): build the model, the "
+        "optimizer's param groups and ShardedDataParallel's bucket caps identically on every "
+        "rank",
+    )
+
+
+def _structure(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(kind, name, shape, dtype) of every param and buffer, in registration order."""
+    return [
+        *(("param", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()),
+        *(("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()),
+    ]
+
+
+def _first_difference(gathered: list[Any]) -> str:
+    """The first (kind, name, shape, dtype) that differs between rank 0 and another rank."""
+    ref = gathered[0]
+    for r, mine in enumerate(gathered[1:], start=1):
+        for i in range(max(len(ref), len(mine))):
+            a = ref[i] if i < len(ref) else None
+            b = mine[i] if i < len(mine) else None
+            if a != b:
+
+                def show(x: Any) -> str:
+                    return "nothing" if x is None else f"{x[0]} {x[1]!r} {list(x[2])} {x[3]}"
+
+                return (
+                    f"entry {i} is {show(a)} on rank 0 but {show(b)} on rank {r} "
+                    f"(rank 0 has {len(ref)} params and buffers, rank {r} has {len(mine)})"
+                )
+    return "the structures differ"
+
+
+def _agree_structure(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Raises ``ValueError`` on every rank if ranks' modules differ in the count, names,
+    shapes or dtypes of their params or buffers (torch DDP's own check, with the first
+    difference named), before any broadcast could pair mismatched tensors."""
+    agree_values(
+        _structure(module),
+        group,
+        "the module's structure (params and buffers: names, shapes, dtypes); build the same "
+        "model on every rank. First difference",
+        describe=_first_difference,
+    )

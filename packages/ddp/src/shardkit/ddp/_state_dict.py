@@ -173,8 +173,11 @@ def load_full_state_dict(
             f"the state dict has param groups of sizes {[len(g['params']) for g in saved_groups]}"
             f" but the optimizer's are {sizes}: it was saved for another model or grouping"
         )
-    saved_state = {int(k): v for k, v in state_dict["state"].items()}
-    saved_masters = {int(k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
+    # See [Note: Saved param ids] in shardkit.optim._state: global indices, or the fully
+    # qualified names torch.distributed.checkpoint.state_dict writes, matched by position.
+    position = {k: i for i, k in enumerate(k for g in saved_groups for k in g["params"])}
+    saved_state = {position.get(k, k): v for k, v in state_dict["state"].items()}
+    saved_masters = {position.get(k, k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
     index = _index(param_groups)
     for g, sg in zip(param_groups, saved_groups, strict=True):
         g.update(copy.deepcopy(hyperparams(sg)))
@@ -263,19 +266,17 @@ def _rank_of(e: _Entry) -> int:
 # [Note: DCP sharded checkpoints]
 # shardkit-optim's ``save_sharded`` writes ``optimizer.local_state_dict()`` of every rank (per
 # rank disjoint global indices, plain per-param state) and ``load_sharded`` reads the indices
-# ``optimizer._layout.owned(rank)`` names, then calls ``optimizer.load_state_dict``. Under
-# ShardedDataParallel a param's state is split at element ranges across ranks, so the hand-over
-# makes both exact:
+# the optimizer names for this rank, then calls ``optimizer.load_state_dict``. Under
+# ShardedDataParallel a param's state is split at element ranges across ranks, so the
+# optimizer's ``ShardOwner`` (``shardkit.ddp._unit._Unit``) answers both:
 #
-# - ``local_state_dict`` is replaced on the instance by ``checkpoint_shard`` of the full state
-#   dict (collective: ``save_sharded`` calls it once on every rank at the same point): rank
-#   ``r`` writes the whole-param state of the indices ``i % N == r``, so the checkpoint is the
-#   plain format ``load_sharded`` of any ShardedOptimizer reads, at any world size;
-# - the optimizer's layout is replaced by ``_ElementRangeLayout``, whose ``owned`` names every
-#   param on every rank (each rank steps a range of every element-wise bucket), so
-#   ``load_sharded`` reads the full state on every rank and hands it to
-#   ``load_full_state_dict``, which cuts this rank's ranges (not collective). Everything else
-#   is forwarded (the per-step agreement reads ``params`` / ``trainable``).
+# - ``checkpoint_state_dict`` is ``checkpoint_shard`` of the full state dict (collective:
+#   ``save_sharded`` calls it once on every rank at the same point): rank ``r`` writes the
+#   whole-param state of the indices ``i % N == r``, so the checkpoint is the plain format
+#   ``load_sharded`` of any ShardedOptimizer reads, at any world size;
+# - ``checkpoint_indices`` names every param on every rank (each rank steps a range of every
+#   element-wise bucket), so ``load_sharded`` reads the full state on every rank and hands it
+#   to ``load_full_state_dict``, which cuts this rank's ranges (not collective).
 #
 # The cost: every rank reads the whole optimizer state at load time (as ``load_state_dict``
 # of a consolidated dict does).
@@ -289,19 +290,3 @@ def checkpoint_shard(full: dict[str, Any], rank: int, world: int) -> dict[str, A
     if MASTER_KEY in full:
         out[MASTER_KEY] = {i: m for i, m in full[MASTER_KEY].items() if i % world == rank}
     return out
-
-
-class _ElementRangeLayout:
-    """A wrapped optimizer's layout whose ``owned`` names every param; see [Note: DCP sharded
-    checkpoints]."""
-
-    def __init__(self, inner: object) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_inner":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-    def owned(self, rank: int) -> list[int]:
-        return list(range(len(self._inner.params)))  # type: ignore[attr-defined]

@@ -106,7 +106,7 @@ class _Blocks:
 
     def call(self, i: int, x: tuple[torch.Tensor, ...], spec: _CallSpec, recompute: bool) -> Any:
         engine = self.engine
-        engine._log("compute", i)
+        engine._log("compute", i)  # noqa: SLF001 (same distribution)
         args, kwargs = _unflatten_call(spec, x)
         tensors = engine.stores[i].call_tensors(recompute)
         if tensors is None:
@@ -143,7 +143,7 @@ class _BlockFunction(torch.autograd.Function):
         _enter(engine, i)
         if engine.checkpoint:
             run.saved = engine.save_boundary(i, x)
-            run.rng = engine._capture_rng()
+            run.rng = engine._capture_rng()  # noqa: SLF001 (same distribution)
             with run.autocast.context():
                 out = blocks.call(i, x, spec, recompute=False)
             outs, layout, kind = _flatten_output(out, i)
@@ -185,7 +185,7 @@ class _BlockFunction(torch.autograd.Function):
             assert run.saved is not None and run.rng is not None  # set by a checkpointed forward
             x = _load_input(engine, i, run.saved)
             xd = blocks.grad_inputs(x, run.input_needs_grad)
-            with torch.enable_grad(), engine._restore_rng(run.rng), run.autocast.context():
+            with torch.enable_grad(), engine._restore_rng(run.rng), run.autocast.context():  # noqa: SLF001 (same distribution)
                 out = blocks.call(i, xd, run.spec, recompute=True)
             outs, _, _ = _flatten_output(out, i)
         else:

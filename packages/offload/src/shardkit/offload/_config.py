@@ -27,8 +27,10 @@ class OffloadConfig:
     keeping all activations on the compute device."""
 
     num_microbatches: int
-    """Number of chunks the batch (dim 0 of every input) is split into; each slice is loaded once
-    and runs all micro-batches before the next slice."""
+    """Number of chunks requested for the batch (dim 0 of every input), split with
+    ``torch.chunk`` as fairscale does (the last chunk may be smaller, and there are fewer chunks
+    when the batch does not fill them); each slice is loaded once and runs all micro-batches
+    before the next slice."""
 
     stage_on_same_device: bool
     """Copy parameters into separate staging storage even when ``device == offload_device``.

@@ -75,6 +75,9 @@ class _RunState:
     saved: list[list[Boundary]] = field(default_factory=list)
     rng: list[list[_RngState]] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # structure of each slice's input
+    # per input / output tensor, the dim-0 size of each micro-batch (See [Note: Micro-batches])
+    in_sizes: list[list[int]] = field(default_factory=list)
+    out_sizes: list[list[int]] = field(default_factory=list)
     loaded: dict[int, list[Boundary]] = field(default_factory=dict)
     loaded_ready: dict[int, torch.cuda.Event | None] = field(default_factory=dict)
 
@@ -222,6 +225,8 @@ class _Engine:
     def _forward(self, inputs: Boundary, kind: str, run: _RunState | None) -> tuple[Boundary, str]:
         num_slices = len(self.slices)
         mbs = _split(inputs, self.num_microbatches)
+        if run is not None:
+            run.in_sizes = _sizes(mbs)
         self.release_all()
         wrote_back = False
         for i in range(num_slices):
@@ -263,7 +268,10 @@ class _Engine:
             kind = out_kind
         if wrote_back:
             self.streams.synchronize(self.streams.record_d2h())
-        return _cat(mbs), kind
+        out = _cat(mbs)
+        if run is not None:
+            run.out_sizes = _sizes(mbs)
+        return out, kind
 
     def backward(
         self, run: _RunState, grads: Sequence[torch.Tensor | None]
@@ -276,7 +284,7 @@ class _Engine:
         self, run: _RunState, grads: Sequence[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         num_slices = len(self.slices)
-        grad_mbs: list[list[torch.Tensor | None]] = _split_grads(grads, self.num_microbatches)
+        grad_mbs: list[list[torch.Tensor | None]] = _split_grads(grads, run.out_sizes)
         host_grads: list[list[torch.Tensor | None]] = [[] for _ in range(num_slices)]
         self.load_boundaries(run, num_slices - 1)
         for i in reversed(range(num_slices)):
@@ -318,7 +326,7 @@ class _Engine:
             grad_mbs = grads_in
         self.release_all()
         self.streams.synchronize(self.streams.record_d2h())
-        input_grads = _cat_grads(grad_mbs)
+        input_grads = _cat_grads(grad_mbs, run.in_sizes)
         return input_grads, [g for per_slice in host_grads for g in per_slice]
 
     # ---------------------------------------------------------------- helpers
@@ -384,12 +392,30 @@ def _from_boundary(
     return list(x) if kind == "list" else x
 
 
+# [Note: Micro-batches]
+# The batch (dim 0 of every input, all of the same size) is split with ``torch.chunk``, exactly as
+# fairscale's OffloadModel does: chunks of ceil(B / n) rows, the last one smaller, and fewer
+# than ``n`` chunks when B does not fill them (B=6, n=4 gives 2+2+2; B=3, n=4 gives 1+1+1).
+# Every slice runs the same chunks, and the outputs of the last slice are concatenated. The
+# dim-0 size of each micro-batch's inputs and outputs is recorded in forward; backward splits
+# the output gradients by the recorded output sizes (the exact inverse of the concatenation,
+# whatever a layer does to the batch dimension) and builds missing input gradients with the
+# recorded input sizes.
+
+
 def _split(x: Boundary, num: int) -> list[Boundary]:
-    """Split every tensor of ``x`` into ``num`` micro-batches along dim 0 (validated earlier)."""
+    """Split every tensor of ``x`` into micro-batches; See [Note: Micro-batches]."""
     if num == 1:
         return [x]
-    parts = [torch.tensor_split(t, num, dim=0) for t in x]
-    return [tuple(p[m] for p in parts) for m in range(num)]
+    parts = [torch.chunk(t, num, dim=0) for t in x]
+    return [tuple(p[m] for p in parts) for m in range(len(parts[0]))]
+
+
+def _sizes(mbs: list[Boundary]) -> list[list[int]]:
+    """Per tensor position, the dim-0 size of each micro-batch (0 for a 0-dim tensor)."""
+    if len(mbs) == 1:
+        return []
+    return [[mb[k].shape[0] if mb[k].dim() > 0 else 0 for mb in mbs] for k in range(len(mbs[0]))]
 
 
 def _cat(mbs: list[Boundary]) -> Boundary:
@@ -405,20 +431,26 @@ def _cat(mbs: list[Boundary]) -> Boundary:
     return tuple(torch.cat([mb[k] for mb in mbs], dim=0) for k in range(len(mbs[0])))
 
 
-def _split_grads(grads: Sequence[torch.Tensor | None], num: int) -> list[list[torch.Tensor | None]]:
-    if num == 1:
+def _split_grads(
+    grads: Sequence[torch.Tensor | None], sizes: list[list[int]]
+) -> list[list[torch.Tensor | None]]:
+    """Split output gradients by the micro-batch output sizes; See [Note: Micro-batches]."""
+    if not sizes:
         return [list(grads)]
+    num = len(sizes[0])
     out: list[list[torch.Tensor | None]] = [[] for _ in range(num)]
-    for g in grads:
+    for g, split in zip(grads, sizes, strict=True):
         parts: Sequence[torch.Tensor | None] = (
-            [None] * num if g is None else torch.tensor_split(g, num, dim=0)
+            [None] * num if g is None else torch.split(g, split, dim=0)
         )
         for m in range(num):
             out[m].append(parts[m])
     return out
 
 
-def _cat_grads(mbs: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+def _cat_grads(
+    mbs: list[list[torch.Tensor | None]], sizes: list[list[int]]
+) -> list[torch.Tensor | None]:
     if len(mbs) == 1:
         return mbs[0]
     out: list[torch.Tensor | None] = []
@@ -428,7 +460,15 @@ def _cat_grads(mbs: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None
             out.append(None)
             continue
         ref = next(p for p in parts if p is not None)
-        out.append(torch.cat([torch.zeros_like(ref) if p is None else p for p in parts], dim=0))
+        out.append(
+            torch.cat(
+                [
+                    ref.new_zeros((sizes[k][m], *ref.shape[1:])) if p is None else p
+                    for m, p in enumerate(parts)
+                ],
+                dim=0,
+            )
+        )
     return out
 
 

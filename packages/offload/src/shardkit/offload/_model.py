@@ -40,14 +40,24 @@ class OffloadModel(nn.Module):
             already the slices (each applied to the previous one's output).
         device: Compute device (``cuda[:i]`` or ``cpu``).
         offload_device: Host device where parameters live (must be the CPU).
-        num_slices: Number of slices for an ``nn.Sequential`` (default 3, at most its length).
-            For pre-split slices it defaults to, and must equal, their number.
+        num_slices: Number of slices for an ``nn.Sequential`` (default 3); a value above its
+            number of layers is clamped to it. Ignored for pre-split slices (each module is one
+            slice), as in fairscale's ``OffloadModel``; both cases are logged.
         checkpoint_activation: Keep only each slice's input (on the offload device) and
             recompute the slice in backward, restoring RNG and autocast state.
-        num_microbatches: Split the batch (dim 0 of every input) into this many micro-batches;
-            every slice is loaded once and runs them all before the next slice.
+        num_microbatches: Split the batch (dim 0 of every input) with
+            ``torch.chunk(x, num_microbatches)``, as fairscale does: chunks of
+            ``ceil(B / num_microbatches)`` rows, the last one smaller, and fewer chunks than
+            requested when the batch does not fill them (a batch of 6 in 4 micro-batches runs
+            as 2 + 2 + 2). Every slice is loaded once and runs them all before the next slice.
         stage_on_same_device: Use separate staging storage even when ``device`` equals
             ``offload_device`` (exercises the GPU transfer path on a CPU; slower).
+
+    Moving the wrapper: ``.cpu()``, ``.cuda()`` and ``.to(device)`` onto the offload device or
+    the compute device return it unchanged (parameters stay on the host, slices keep computing
+    on ``device``; a move onto the offload device also evicts a slice left resident on the
+    device); a move to another device or a dtype cast (``.half()``, ``.to(torch.float64)``)
+    raises ``RuntimeError``: cast or choose the device before wrapping.
 
     Raises:
         TypeError: ``model`` is not a Sequential or list of modules, or an argument has the
@@ -109,25 +119,75 @@ class OffloadModel(nn.Module):
         x, kind = _as_boundary(inputs, "the input of OffloadModel")
         return _run(self._engine, self.config, x, kind)
 
+    # [Note: Moving an OffloadModel]
+    # Parameters and buffers are views of flat host buffers that the engine owns; the engine
+    # copies each slice to ``device`` when it runs. fairscale's OffloadModel has no .to() of its
+    # own: .cpu() leaves its (host) parameters where they are and .cuda() moves them to the GPU
+    # only until each slice's first forward drops it back to the offload device, so in effect
+    # neither changes where it computes or where parameters live. Here that is made explicit: a
+    # move onto the offload device or onto the compute device (.cpu(), .cuda(), .to(device),
+    # also from a parent module's .to()) keeps the parameters on the host and the compute device
+    # unchanged; a move onto the offload device also evicts any slice left resident on the
+    # compute device (after a forward whose backward never ran). A move to any other device, or
+    # a cast to another dtype, raises: it cannot keep these semantics. What a move would do is
+    # read by applying it to an empty tensor of each parameter/buffer dtype on the host, so
+    # every Module method built on _apply (.to, .cpu, .cuda, .half, .double, .type, ...) is
+    # handled the way nn.Module would apply it.
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        raise RuntimeError(
-            "OffloadModel manages where its parameters live (.to(), .cuda(), .half(), ... are "
-            "not supported after wrapping); move or cast the model before wrapping it and pass "
-            "device=... to OffloadModel"
+        config = self.config
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            probe = torch.empty(0, dtype=dtype, device=config.offload_device)
+            moved = fn(probe)
+            if moved.dtype != dtype:
+                raise RuntimeError(
+                    f"OffloadModel cannot cast its parameters after wrapping (this call turns "
+                    f"{dtype} tensors into {moved.dtype}): they are views of host buffers the "
+                    "offload engine owns; cast the model before wrapping it (model.to(dtype), "
+                    "then OffloadModel(model, ...)), or use torch.autocast for mixed precision"
+                )
+            if moved.device not in (config.device, config.offload_device):
+                accepted = f".cpu()/.to('{config.offload_device}')"
+                if config.device != config.offload_device:
+                    accepted += f" and .to('{config.device}')"
+                raise RuntimeError(
+                    f"OffloadModel computes on {config.device} and keeps its parameters on "
+                    f"{config.offload_device}; moving it to {moved.device} is not supported "
+                    f"after wrapping ({accepted} are accepted and keep the parameters on the "
+                    f"host); to compute on {moved.device}, pass device='{moved.device}' when "
+                    "wrapping"
+                )
+            if moved.device == config.offload_device:
+                self._engine.release_all()
+        logger.debug(
+            "OffloadModel: move ignored: parameters stay on %s, slices compute on %s",
+            config.offload_device,
+            config.device,
         )
+        return self
 
 
 def _split_model(model: object, num_slices: int | None) -> list[nn.Module]:
+    # [Note: fairscale's num_slices]
+    # fairscale's OffloadModel (num_slices defaults to 3 there) clamps num_slices to the length
+    # of an nn.Sequential and ignores it for a pre-split list, where each module is one slice.
+    # Code written for it passes both, so both are accepted here (with a log line), not refused.
+    n = None if num_slices is None else _check_positive_int("num_slices", num_slices)
     if isinstance(model, nn.Sequential):
-        n = 3 if num_slices is None else _check_positive_int("num_slices", num_slices)
         layers = list(model)
         if len(layers) == 0:
             raise ValueError("model is an empty nn.Sequential; there is nothing to offload")
-        if n > len(layers):
-            raise ValueError(
-                f"num_slices={n} exceeds the number of layers of the nn.Sequential "
-                f"({len(layers)}); pass num_slices <= {len(layers)}"
+        if n is None:
+            n = min(3, len(layers))
+        elif n > len(layers):
+            logger.info(
+                "OffloadModel: num_slices=%d exceeds the %d layers of the nn.Sequential; using "
+                "%d slices (one layer each), as fairscale's OffloadModel does",
+                n,
+                len(layers),
+                len(layers),
             )
+            n = len(layers)
         ranges = balanced_slices([module_bytes(m) for m in layers], n)
         return [_SliceModule(layers[r.start : r.stop], r) for r in ranges]
     if isinstance(model, (list, tuple, nn.ModuleList)):
@@ -137,10 +197,13 @@ def _split_model(model: object, num_slices: int | None) -> list[nn.Module]:
                 "a list of slices must be a non-empty list of nn.Module, got "
                 f"{[type(m).__name__ for m in mods]}"
             )
-        if num_slices is not None and num_slices != len(mods):
-            raise ValueError(
-                f"num_slices={num_slices} but {len(mods)} pre-split slices were given; omit "
-                "num_slices or pass an nn.Sequential to have it split"
+        if n is not None and n != len(mods):
+            logger.info(
+                "OffloadModel: num_slices=%d is ignored for a pre-split list of %d modules: "
+                "each module is one slice, as in fairscale's OffloadModel (pass an "
+                "nn.Sequential to have it split into num_slices)",
+                n,
+                len(mods),
             )
         return [_SliceModule([m], range(k, k + 1)) for k, m in enumerate(mods)]
     raise TypeError(
@@ -201,9 +264,4 @@ def _check_microbatches(x: Boundary, num: int) -> None:
         raise ValueError(
             f"with num_microbatches={num} every input must have the same batch size (dim 0), "
             f"got {sizes}"
-        )
-    if sizes[0] % num != 0:
-        raise ValueError(
-            f"batch size {sizes[0]} is not divisible into num_microbatches={num} micro-batches; "
-            f"pass a batch size that is a multiple of {num} or change num_microbatches"
         )

@@ -1,5 +1,23 @@
 """Agreement between the ranks of a ShardedOptimizer beyond the construction check.
 
+[Note: Call agreement]
+Every collective entry point of a ShardedOptimizer (``step()``, ``consolidate_state_dict()``,
+``state_dict(all_ranks=True)``, the implicit consolidation of ``state_dict()``) starts with the
+same small agreement: one all-reduce (MAX) of six int64s ``[call, -call, digest, -digest,
+requires_grad changed, sparse gradient]``, where ``call`` names the entry point. It runs on a
+*side* Gloo group over the same ranks (one per process group that spans every rank, created
+with the first optimizer over it; see :func:`side_group` for sub groups), waited on with
+``collective_timeout`` (default 30 s), so that:
+
+- a rank that enters a collective alone (the classic "state_dict() on rank 0 only") raises
+  after the timeout, saying which call the other ranks must make, instead of waiting for the
+  process group's timeout, and its pending agreement can pair only with the other ranks' next
+  agreement (which then raises on them, naming the call), never with a collective of the
+  optimizer's process group (DDP's all-reduces, a barrier): the main group stays usable;
+- ranks in *different* entry points (rank 0 in ``state_dict()``, rank 1 in ``step()``) all
+  raise the same error naming both calls, before either moves any tensor;
+- the agreement needs no GPU synchronisation with NCCL (it is a CPU collective).
+
 [Note: Per-step agreement]
 Each rank steps only its own shard with its own copy of the hyper-parameters, so a rank whose
 ``lr`` (or betas, weight decay, ...) differs from the others' trains its shard with it, silently
@@ -27,10 +45,12 @@ broadcast) are not an ordering error: they are logged once.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,9 +60,24 @@ from shardkit.optim._dist import _comm_device
 from shardkit.optim._state import _hyperparams
 from shardkit.partition import all_gather_objects
 
-__all__: list[str] = []
+__all__ = [
+    "agree_call",
+    "agree_outcome",
+    "agree_values",
+    "describe_difference",
+    "hyperparam_digest",
+    "hyperparams",
+    "register_call",
+]
+
+hyperparams = _hyperparams
+"""A param group's hyper-parameters: every key but ``params``."""
 
 logger = logging.getLogger("shardkit.optim")
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning per call) to
+# all_gather_single; older torch has only the first.
+_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _warned_values = False
 
 
@@ -52,19 +87,226 @@ def hyperparam_digest(param_groups: Sequence[dict[str, Any]]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
 
 
-def _wait(work: dist.Work | None, timeout: timedelta | None, what: str) -> None:
-    if work is None:
-        return
-    try:
-        if timeout is None:
-            work.wait()
+# [Note: One agreement module]
+# Every cross-rank agreement of shardkit-optim, and of the distributions built on it
+# (shardkit-overlap's registration, shardkit-ddp's bucket plan), goes through this module:
+# :func:`agree_values` (every rank passes the same value, or every rank raises naming the
+# difference), :func:`agree_outcome` (a local check failed on some rank: every rank raises that
+# rank's error, with its type), :func:`agree_call` (the bounded entry-point agreement of
+# [Note: Call agreement], which also carries the hyper-parameter digest and the per-step flags).
+# Each is one collective that every rank reaches whatever its local outcome, so a decision one
+# rank takes alone never leaves the others waiting in a collective.
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def agree_values(
+    value: Any,
+    group: dist.ProcessGroup,
+    what: str,
+    describe: Callable[[list[Any]], str] | None = None,
+) -> list[Any]:
+    """All-gathers a small picklable ``value``; raises on every rank if the ranks disagree.
+
+    Args:
+        value: this rank's value (compared with ``==``).
+        group: the process group (every rank of it calls this).
+        what: what the value is, for the message (e.g. ``"the bucket plan"``).
+        describe: turns every rank's value into the message's detail (e.g. the first
+            difference); default: each rank's value.
+
+    Returns:
+        Every rank's value, in rank order.
+
+    Raises:
+        ValueError: the values differ (on every rank), listing each rank's value.
+    """
+    gathered = all_gather_objects(value, group)  # See [Note: Object collectives without NumPy]
+    if any(v != gathered[0] for v in gathered):
+        if describe is not None:
+            detail = describe(gathered)
         else:
-            work.wait(timeout)
+            detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(gathered))
+        raise ValueError(
+            f"ranks disagree on {what}: {detail}. Every rank of the group must make the same "
+            f"call with the same arguments."
+        )
+    return gathered
+
+
+def agree_outcome(error: Exception | None, group: dist.ProcessGroup, what: str) -> None:
+    """Raises on every rank the error of the first rank whose local check failed (if any).
+
+    Args:
+        error: this rank's error, or ``None``.
+        group: the process group (every rank of it calls this, failed or not).
+        what: the operation, for the message.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: the first failing rank's error type (others as
+            ``RuntimeError``), naming that rank, on every rank.
+    """
+    infos = all_gather_objects(None if error is None else (type(error).__name__, str(error)), group)
+    failed = [(r, info) for r, info in enumerate(infos) if info is not None]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
+    raise _ERROR_TYPES.get(kind, RuntimeError)(
+        f"{what} failed on rank {rank} of {len(infos)}{also}, so it is refused on every "
+        f"rank: {kind}: {message}"
+    ) from error
+
+
+_NAMES: dict[int, str] = {}
+"""Code -> name of every entry point that agrees with :func:`agree_call`, registered at import
+time (so every rank knows every name, including calls it never makes itself)."""
+
+
+def register_call(name: str) -> str:
+    """Registers an entry point for :func:`agree_call` (at import time); returns ``name``.
+
+    The code is a 62-bit hash of the name, the same on every rank.
+
+    Raises:
+        ValueError: another name has the same code (rename one).
+    """
+    code = _code(name)
+    if _NAMES.setdefault(code, name) != name:
+        raise ValueError(f"call names {name!r} and {_NAMES[code]!r} hash alike: rename one")
+    return name
+
+
+def _code(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 2
+
+
+_CALLS = (
+    register_call("ShardedOptimizer.step()"),
+    register_call("ShardedOptimizer.consolidate_state_dict()"),
+    register_call("ShardedOptimizer.state_dict() (implicit consolidation onto every rank)"),
+)
+
+DEFAULT_TIMEOUT = timedelta(seconds=30)
+"""``collective_timeout``'s default. See [Note: Call agreement]."""
+
+_SIDE_GROUPS: dict[int, tuple[weakref.ref[dist.ProcessGroup], dist.ProcessGroup]] = {}
+
+
+def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the call agreement runs on: a Gloo group over ``group``'s ranks, created once
+    per process group by every rank at the same point (the first optimizer built over it).
+
+    ``torch.distributed.new_group`` must be called by every rank of the default group (a
+    group made by fewer ranks gets a name derived from each rank's own count of groups, which
+    differs between ranks), so a side group exists only for groups that span every rank; an
+    optimizer over a sub group agrees on ``group`` itself (bounded the same way, but an
+    unanswered agreement can then pair with another collective of ``group``).
+
+    [Note: Side group lifetime]
+    A Gloo group still alive when the interpreter shuts down can abort the process in its
+    destructor ("terminate called without an active exception"), so the cache holds ``group``
+    weakly and an ``atexit`` handler destroys the side groups it created (torch's
+    ``destroy_process_group()`` of the default group destroys them too).
+    """
+    entry = _SIDE_GROUPS.get(id(group))
+    if entry is not None and entry[0]() is group:
+        return entry[1]
+    side = group
+    if dist.get_world_size(group) == dist.get_world_size():
+        made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        if not isinstance(made, dist.ProcessGroup):  # every rank is a member: never None
+            raise RuntimeError("could not create the agreement group")
+        side = made
+        if not _SIDE_GROUPS:
+            atexit.register(_release_side_groups)
+    _SIDE_GROUPS[id(group)] = (weakref.ref(group), side)
+    return side
+
+
+def _release_side_groups() -> None:
+    """See [Note: Side group lifetime]."""
+    created = [side for ref, side in _SIDE_GROUPS.values() if ref() is not side]
+    _SIDE_GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # destroy_process_group() already destroyed them
+    for side in created:
+        try:
+            dist.destroy_process_group(side)
+        except (RuntimeError, ValueError):  # already destroyed with the default group
+            pass
+
+
+def agree_call(
+    call: str,
+    group: dist.ProcessGroup,
+    timeout: timedelta | None,
+    *,
+    digest: int = 0,
+    changed: bool = False,
+    flag: bool = False,
+) -> tuple[int, int, int]:
+    """The call agreement (see [Note: Call agreement]). Collective over ``group``'s ranks.
+
+    Args:
+        call: the entry point, registered with :func:`register_call`.
+        group: the process group whose ranks agree (the agreement runs on its side group).
+        timeout: how long to wait for the other ranks (``None``: 30 s).
+        digest: a value (``|digest| < 2**62``) every rank must pass alike, e.g. a hash of the
+            hyper-parameters or a count of calls.
+        changed, flag: per-rank booleans, OR-ed over the ranks.
+
+    Returns:
+        ``(digest equal on every rank, any rank changed, any rank flag)`` as ints 0/1.
+
+    Raises:
+        RuntimeError: ranks are in different entry points (on every rank, naming both), or the
+            other ranks did not reach this call within ``timeout``.
+    """
+    code = _code(call)
+    if code not in _NAMES:
+        raise ValueError(f"{call!r} is not a registered call: register_call() it at import")
+    side = side_group(group)
+    flags = torch.tensor(
+        [code, -code, digest, -digest, int(changed), int(flag)],
+        dtype=torch.int64,
+        device=_comm_device(side),
+    )
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=side, async_op=True)
+    wait = timeout if timeout is not None else DEFAULT_TIMEOUT
+    try:
+        if work is not None:
+            work.wait(wait)
     except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(group)
+        usable = (
+            "The optimizer's process group itself is still usable (this agreement runs on a "
+            "side Gloo group)"
+            if side is not group
+            else "The optimizer's process group (a sub group: the agreement runs on it) may "
+            "now be unusable"
+        )
         raise RuntimeError(
-            f"{what}: the ranks of the optimizer's group did not all take part within "
-            f"{timeout} (a rank skipped the call, is stuck, or died): {e}"
+            f"rank {dist.get_rank(group)} called {call} and waited {wait} for the other ranks "
+            f"of the optimizer's group (global ranks {ranks}) to call it too: it is a "
+            f"collective, every rank must call {call} at the same point (e.g. save on every "
+            f"rank, not under `if rank == 0`). {usable}, but the ranks are out of step: the "
+            f"other ranks' next collective ShardedOptimizer call raises too. ({e})"
         ) from e
+    hi, lo, top, low, any_changed, any_flag = (int(v) for v in flags.tolist())
+    if hi != -lo:
+        names = sorted({_NAMES.get(hi, "an unknown call"), _NAMES.get(-lo, "an unknown call")})
+        raise RuntimeError(
+            f"ranks of the group are in different collective calls: some in {names[0]}, "
+            f"others in {names[1]} (this rank: {call}). Every rank must make the same "
+            f"collective calls in the same order; a rank-dependent branch (e.g. `if rank == "
+            f"0: optimizer.state_dict()`, a backward or no_sync() on some ranks only) is the "
+            f"usual cause."
+        )
+    return int(top == -low), any_changed, any_flag
 
 
 def agree_step(
@@ -81,23 +323,19 @@ def agree_step(
     Raises:
         ValueError: ranks have different hyper-parameters (on every rank).
         TypeError: some rank has a sparse gradient (on every rank).
-        RuntimeError: the all-reduce did not complete within ``timeout``.
+        RuntimeError: the agreement did not complete within ``timeout``, or ranks are in
+            different calls (see [Note: Call agreement]).
     """
     digest = hyperparam_digest(param_groups)
-    flags = torch.tensor(
-        [digest, -digest, int(changed), int(sparse is not None)],
-        dtype=torch.int64,
-        device=_comm_device(group),
+    same, any_changed, any_sparse = agree_call(
+        _CALLS[0], group, timeout, digest=digest, changed=changed, flag=sparse is not None
     )
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _wait(work, timeout, "ShardedOptimizer.step()")
-    top, low, any_changed, any_sparse = (int(v) for v in flags.tolist())
-    if top != -low:
+    if not same:
         gathered = all_gather_objects([_hyperparams(g) for g in param_groups], group)
         raise ValueError(
             "ranks step with different hyper-parameters; every rank must use the same values "
             "(a schedule computed from a per-rank quantity, e.g. each rank's own loader length, "
-            f"is a common cause): {_describe_difference(gathered)}"
+            f"is a common cause): {describe_difference(gathered)}"
         )
     if any_sparse:
         detail = [s for s in all_gather_objects(sparse, group) if s is not None]
@@ -105,8 +343,13 @@ def agree_step(
     return bool(any_changed)
 
 
-def _describe_difference(gathered: list[list[dict[str, Any]]]) -> str:
-    """Which group and key differ between rank 0 and the first rank that differs."""
+def describe_difference(gathered: list[list[dict[str, Any]]]) -> str:
+    """Which group and key differ between rank 0 and the first rank that differs.
+
+    Args:
+        gathered: every rank's list of param-group hyper-parameters (:func:`hyperparams`),
+            e.g. from an all-gather.
+    """
     for r, groups in enumerate(gathered[1:], start=1):
         for gi, (a, b) in enumerate(zip(gathered[0], groups, strict=False)):
             for key in sorted(set(a) | set(b)):
@@ -138,7 +381,7 @@ def agree_clip(
         ]
     )
     out = torch.empty(world * 3, dtype=torch.float64, device=local.device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather_single(out, mine, group=group)
     rows = out.view(world, 3)
     settings = rows[:, 1:].tolist()
     if any(s != settings[0] for s in settings):

@@ -1,21 +1,25 @@
 """Sharded optimizer checkpoints through ``torch.distributed.checkpoint`` (DCP), reshardable N -> M.
 
 [Note: Checkpoint layout]
-Every state value is stored under its own DCP key ``state/<global index>/<state key>`` (see
-[Note: Global parameter index]), and with master weights every master under
+Every state tensor is stored under its own DCP key ``state/<global index>/<state key>`` (see
+[Note: Global parameter index]), every non-tensor state value as a JSON record under
+``value/<global index>/<state key>``, and with master weights every master under
 ``master/<global index>`` (see [Note: Master weights]); each rank writes only the keys of the
-params it owns, so no rank ever holds more than its shard. ``param_groups`` (hyperparams and global indices) and a small
-``shardkit_optim`` header are stored once. Loading at any world size reads DCP's metadata, asks for
-the keys of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding is
-a change of which keys each rank asks for, nothing else.
+params it owns, so no rank ever holds more than its shard. ``shardkit/param_groups``
+(hyperparams and global indices) and ``shardkit/header`` are JSON records stored once (see
+[Note: Checkpoint records]). Loading at any world size reads DCP's metadata, asks for the keys
+of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding is a
+change of which keys each rank asks for, nothing else.
 
 The commit and its crash safety: [Note: Atomic commit] in ``_commit.py``; checksums: [Note:
-Checkpoint checksums]; shape validation before loading: [Note: Load validation] below.
+Checkpoint checksums]; what a load checks before reading or allocating anything: [Note: Load
+validation] in ``_load_checks.py``; reading untrusted files: [Note: Safe DCP reading].
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import pickle
 import uuid
@@ -27,10 +31,29 @@ import torch
 import torch.distributed as dist
 from shardkit.optim import _commit
 from shardkit.optim._commit import Staging, checksum, read_header, resolve, verify_checksums
+from shardkit.optim._load_checks import Opened, parse_key, request, validate_against
 from shardkit.optim._master import MASTER_KEY
+from shardkit.optim._records import (
+    FORMAT,
+    GROUPS_KEY,
+    HEADER_KEY,
+    LEGACY_FORMAT,
+    VALUE_PREFIX,
+    decode_groups,
+    decode_value,
+    encode_groups,
+    encode_value,
+    from_tensor,
+    to_tensor,
+    validate_header,
+)
+from shardkit.optim._safe_reader import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    read_safe_metadata,
+)
 from shardkit.partition import all_gather_objects
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
@@ -39,24 +62,9 @@ if TYPE_CHECKING:
 
 __all__ = ["load_consolidated", "load_sharded", "save_sharded"]
 
-_FORMAT = "shardkit.optim.sharded/1"
-
+logger = logging.getLogger("shardkit.optim")
 
 _MASTER_PREFIX = "master/"
-
-
-def _key(idx: int, name: str) -> str:
-    return f"state/{idx}/{name}"
-
-
-def _parse(key: str) -> tuple[int, str] | None:
-    """``(global index, state key)`` of a state key, ``(global index, "")`` of a master key."""
-    if key.startswith(_MASTER_PREFIX):
-        return int(key[len(_MASTER_PREFIX) :]), ""
-    if not key.startswith("state/"):
-        return None
-    _, idx, name = key.split("/", 2)
-    return int(idx), name
 
 
 def _require_numpy(what: str) -> None:
@@ -71,20 +79,48 @@ def _require_numpy(what: str) -> None:
         )
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with a storage of exactly its bytes (``torch.save`` writes a view's whole
+    storage, which a load would then refuse as oversized: see [Note: Safe DCP reading])."""
+    t = t.detach()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _local_items(local: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's DCP items (state tensors, value records, masters). Raises TypeError for a
+    state value that is neither a tensor nor JSON-like."""
+    sd: dict[str, torch.Tensor] = {}
+    for idx, entry in local["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                sd[f"state/{idx}/{name}"] = _own_storage(value)
+            else:
+                where = f"optimizer state of param {idx}, key {name!r}"
+                sd[f"{VALUE_PREFIX}{idx}/{name}"] = encode_value(value, where)
+    for idx, master in local.get(MASTER_KEY, {}).items():
+        sd[f"{_MASTER_PREFIX}{idx}"] = _own_storage(master)
+    return sd
+
+
 def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
     """Saves the optimizer state as a DCP checkpoint, each rank writing its shard. Collective.
 
     The new checkpoint replaces the one at ``path`` atomically (see [Note: Atomic commit]):
-    a crash at any point leaves the old or the new checkpoint loadable there.
+    a crash at any point leaves the old or the new checkpoint loadable there. It is written in
+    format ``shardkit.optim.sharded/2``: tensors and JSON records only, nothing pickled of
+    shardkit's own (see ``docs/security.md``).
 
     Args:
         optimizer: the sharded optimizer (every rank of its group calls this).
         path: the checkpoint directory. All ranks must see the same filesystem path.
 
     Raises:
-        RuntimeError: the save failed on some rank, or the files of some rank are not visible
-            where the checkpoint is committed (raised on every rank; nothing is committed and
-            the staging directory is removed).
+        RuntimeError: the save failed on some rank (e.g. a state value that is neither a tensor
+            nor JSON-like), or the files of some rank are not visible where the checkpoint is
+            committed (raised on every rank; nothing is committed and the staging directory is
+            removed).
     """
     _require_numpy("save_sharded")
     final = Path(path)
@@ -99,45 +135,49 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
     token, stage = str(plan[0]), Path(plan[1])
     local = optimizer.local_state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    header: dict[str, Any] = {
-        "format": _FORMAT,
-        "num_params": len(params),
-        "param_shapes": [list(p.shape) for p in params],
-        "world_size": optimizer.world_size,
-        "token": token,
-    }
-    # Opaque bytes: DCP would otherwise flatten the nested groups into one key per value.
-    sd: dict[str, Any] = {
-        "param_groups": pickle.dumps(local["param_groups"]),
-        "shardkit_optim": pickle.dumps({k: v for k, v in header.items() if k != "param_shapes"}),
-    }
-    for idx, entry in local["state"].items():
-        for name, value in entry.items():
-            sd[_key(idx, name)] = value.detach() if isinstance(value, torch.Tensor) else value
-    for idx, master in local.get(MASTER_KEY, {}).items():
-        sd[f"{_MASTER_PREFIX}{idx}"] = master.detach()
     error: str | None = None
-    if staging is not None:
+    sd: dict[str, torch.Tensor] = {}
+    try:
+        sd = _local_items(local)
+        sd[GROUPS_KEY] = encode_groups(local["param_groups"])
+    except TypeError as e:
+        error = f"rank {optimizer.rank}: {e}"
+    if staging is not None and error is None:
         try:
             staging.prepare()
         except OSError as e:
             error = f"preparing {staging.stage} failed: {type(e).__name__}: {e}"
-    _agreed_error(error, group, f"save_sharded({final})")
-    error = None
+    # See [Note: Checkpoint checksums]; the header record carries them too ([Note: Commit
+    # record required]), so every rank needs all of them before DCP writes.
+    sums = {k: checksum(v) for k, v in sd.items()}
+    gathered = all_gather_objects((error, sums), group)
+    errors = [str(e) for e, _ in gathered if e is not None]
+    if errors:
+        if staging is not None:
+            staging.abort()
+        raise RuntimeError(f"save_sharded({final}) failed, nothing was committed: {errors[0]}")
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        "num_params": len(params),
+        "param_shapes": [list(p.shape) for p in params],
+        "world_size": optimizer.world_size,
+        "token": token,
+        "checksums": dict(sorted((k, v) for _, part in gathered for k, v in part.items())),
+    }
+    sd[HEADER_KEY] = to_tensor(header)
     try:
         _dcp_save(sd, checkpoint_id=str(stage), process_group=group)
         _commit.crash_point("written")
-    except Exception as e:  # every rank must reach the agreement below
+    except (Exception, CheckpointException) as e:  # every rank must reach the agreement below
         error = f"rank {optimizer.rank}: {type(e).__name__}: {e}"
-    # See [Note: Checkpoint checksums].
-    sums = {k: checksum(v) for k, v in sd.items() if isinstance(v, (torch.Tensor, bytes))}
-    gathered = all_gather_objects((error, sums), group)
-    errors = [str(e) for e, _ in gathered if e is not None]
+    errors = [e for e in all_gather_objects(error, group) if e is not None]
     if staging is not None:
         if not errors:
-            header["checksums"] = {k: v for _, part in gathered for k, v in part.items()}
+            record = dict(
+                header, checksums={**header["checksums"], HEADER_KEY: checksum(sd[HEADER_KEY])}
+            )
             try:
-                staging.commit(header)
+                staging.commit(record)
             except OSError as e:
                 errors.append(f"committing on rank 0 failed: {type(e).__name__}: {e}")
         if errors:
@@ -152,127 +192,50 @@ def _agreed_error(error: str | None, group: dist.ProcessGroup, what: str) -> Non
         raise RuntimeError(f"{what} failed, nothing was committed: {errors[0]}")
 
 
-def _open(path: Path) -> tuple[Path, Any, dict[str, Any]]:
-    """(version directory, DCP metadata, marker header) of the committed checkpoint."""
-    version = resolve(path)
-    header = read_header(version)
-    return version, FileSystemReader(str(version)).read_metadata(), header
-
-
-# [Note: Load validation]
-# Every rank checks the whole checkpoint against its params before anything is read or any
-# state is touched, on information all ranks share (the marker's param shapes and DCP's
-# metadata), so a mismatch raises the same error on every rank instead of only on the owner
-# of the mismatching entry (whose peers would then wait in the next collective): the number of
-# params, every param's shape exactly (including the number of dims and size-1 dims), every
-# master's shape, and every state tensor with as many elements as its param must have its
-# shape exactly. A checkpoint from shardkit-optim 0.1 has no param shapes in its marker; its
-# state tensors are still checked against the current params.
-def _validate(metadata: Any, header: dict[str, Any], params: list[torch.Tensor]) -> None:
-    saved = header.get("param_shapes")
-    if saved is not None:
-        if len(saved) != len(params):
-            raise ValueError(
-                f"the checkpoint holds {len(saved)} params but this optimizer has "
-                f"{len(params)}: it was saved for a different model or param group layout."
-            )
-        for i, (shape, p) in enumerate(zip(saved, params, strict=True)):
-            if tuple(shape) != tuple(p.shape):
-                raise ValueError(
-                    f"param {i} was saved with shape {tuple(shape)} but has shape "
-                    f"{tuple(p.shape)} now: the checkpoint was saved for a different model."
-                )
-    for key, md in metadata.state_dict_metadata.items():
-        parsed = _parse(key)
-        if parsed is None or not isinstance(md, TensorStorageMetadata):
-            continue
-        idx, name = parsed
-        if not 0 <= idx < len(params):
-            raise ValueError(
-                f"checkpoint item {key!r} is for param {idx}, but this optimizer has "
-                f"{len(params)} params: it was saved for a different model."
-            )
-        shape, want = tuple(md.size), tuple(params[idx].shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        if (not name or numel == params[idx].numel()) and shape != want:
-            raise ValueError(
-                f"checkpoint item {key!r} has shape {shape} but param {idx} has shape {want}: "
-                f"the checkpoint was saved for a different model."
-            )
-
-
-def _request(metadata: Any, wanted: set[int] | None) -> dict[str, Any]:
-    req: dict[str, Any] = {"param_groups": None, "shardkit_optim": None}
-    for key, md in metadata.state_dict_metadata.items():
-        parsed = _parse(key)
-        if parsed is None or (wanted is not None and parsed[0] not in wanted):
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            req[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):
-            req[key] = None
-    return req
-
-
-def _assemble(loaded: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    masters: dict[int, torch.Tensor] = {}
-    for key, value in loaded.items():
-        parsed = _parse(key)
-        if parsed is None:
-            continue
-        if parsed[1]:
-            state.setdefault(parsed[0], {})[parsed[1]] = value
-        else:
-            masters[parsed[0]] = value
-    header = pickle.loads(loaded["shardkit_optim"])
-    if not isinstance(header, dict) or header.get("format") != _FORMAT:
-        raise ValueError(f"unsupported checkpoint format {header!r}; expected {_FORMAT}")
-    out = {
-        "state": dict(sorted(state.items())),
-        "param_groups": pickle.loads(loaded["param_groups"]),
-    }
-    if masters:
-        out[MASTER_KEY] = dict(sorted(masters.items()))
-    return out
-
-
-def load_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
-    """Loads a checkpoint written by :func:`save_sharded` at any world size. Collective.
-
-    Each rank reads only the state of the params it owns under the current partition, after
-    every rank checked the whole checkpoint against the params (see [Note: Load validation]);
-    every item read is checked against its saved checksum.
+def _open(path: Path, allow_pickle: bool, allow_missing_commit_record: bool) -> Opened:
+    """The committed version, its safely read metadata and its validated commit record.
 
     Raises:
-        FileNotFoundError: ``path`` is not a committed checkpoint.
-        ValueError: the checkpoint was saved for a different model or param group layout, or
-            an item fails its checksum (on every rank, naming the item).
+        FileNotFoundError / ValueError: see :func:`load_sharded`.
     """
-    _require_numpy("load_sharded")
-    group = optimizer.group
-    error: str | None = None
+    version = resolve(path, require_marker=not allow_missing_commit_record)
+    metadata = read_safe_metadata(version)
+    record: dict[str, Any] | None
     try:
-        version, metadata, header = _open(Path(path))
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        _validate(metadata, header, params)
-    except (FileNotFoundError, ValueError) as e:
-        error = f"{type(e).__name__}: {e}"
-    # Every rank decides the same way from shared files, but a rank that cannot see them (no
-    # shared filesystem) must not leave the others waiting in DCP's collectives.
-    errors = [e for e in all_gather_objects(error, group) if e is not None]
-    if errors:
-        kind, _, message = errors[0].partition(": ")
-        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
-    req = _request(metadata, set(optimizer._layout.owned(optimizer.rank)))
-    _dcp_load(req, checkpoint_id=str(version), process_group=group)
-    bad = verify_checksums(req, header.get("checksums", {}), lambda key: _where(metadata, key))
-    bad_all = [b for b in all_gather_objects(bad, group) if b is not None]
-    if bad_all:
-        raise ValueError(f"load_sharded({path}): {bad_all[0]}")
-    optimizer.load_state_dict(_assemble(req))
+        record = validate_header(
+            read_header(version), str(version / _commit.MARKER), legacy_ok=True
+        )
+    except ValueError as e:
+        if not allow_missing_commit_record:
+            raise
+        logger.warning(
+            "loading %s without its commit record (allow_missing_commit_record=True): %s",
+            path,
+            str(e).split(";")[0],
+        )
+        record = None
+    keys = metadata.state_dict_metadata
+    fmt = (
+        record["format"]
+        if record is not None
+        else (FORMAT if HEADER_KEY in keys else LEGACY_FORMAT)
+    )
+    if fmt == LEGACY_FORMAT and not allow_pickle:
+        raise UnsafeCheckpointError(
+            f"{path} is a checkpoint of format {LEGACY_FORMAT} (shardkit-optim <= 0.1.8), whose "
+            f"records are pickles: loading it runs whatever code they contain. Pass "
+            f"allow_pickle=True only if you trust who wrote it, then save it again to convert "
+            f"it to {FORMAT}."
+        )
+    if fmt == LEGACY_FORMAT:
+        logger.warning(
+            "loading %s of format %s with allow_pickle=True: its records are unpickled; save it "
+            "again to convert it to %s",
+            path,
+            LEGACY_FORMAT,
+            FORMAT,
+        )
+    return Opened(version, metadata, record, fmt)
 
 
 def _where(metadata: Any, key: str) -> str:
@@ -284,23 +247,235 @@ def _where(metadata: Any, key: str) -> str:
     return f"file {', '.join(files)}" if files else "file unknown"
 
 
-def load_consolidated(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a sharded checkpoint offline (one process, no process group) as one plain dict.
+def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, Any]:
+    """Checks every loaded item against its checksum, then decodes the plain state dict.
 
-    The result loads into the plain torch optimizer class that was sharded. Every item is
-    checked against its saved checksum.
+    See [Note: Commit record required] for where the checksums come from.
+
+    Raises:
+        ValueError: an item fails its checksum, or a record fails its schema.
+    """
+    where = lambda key: _where(opened.metadata, key)  # noqa: E731
+    if opened.format == LEGACY_FORMAT:
+        sums = opened.record.get("checksums", {}) if opened.record is not None else {}
+        bad = verify_checksums(loaded, sums, where)
+        if bad is not None:
+            raise ValueError(bad)
+        return _assemble_legacy(loaded)
+    record_sums = opened.record["checksums"] if opened.record is not None else None
+    if record_sums is not None:
+        bad = verify_checksums({HEADER_KEY: loaded[HEADER_KEY]}, record_sums, where, strict=True)
+        if bad is not None:
+            raise ValueError(bad)
+    header = validate_header(from_tensor(loaded[HEADER_KEY], HEADER_KEY), HEADER_KEY)
+    if opened.record is not None and header["token"] != opened.record["token"]:
+        raise UnsafeCheckpointError(
+            f"{HEADER_KEY} belongs to save {header['token']}, the commit record to "
+            f"{opened.record['token']}: files of two checkpoints were mixed"
+        )
+    sums = record_sums if record_sums is not None else header["checksums"]
+    missing = sorted(set(sums) - set(opened.metadata.state_dict_metadata) - {HEADER_KEY})
+    if missing:
+        raise UnsafeCheckpointError(
+            f"{len(missing)} saved item(s) are not in the checkpoint's metadata (first: "
+            f"{missing[0]!r}); the checkpoint is damaged or crafted"
+        )
+    rest = {k: v for k, v in loaded.items() if k != HEADER_KEY}
+    bad = verify_checksums(rest, sums, where, strict=True)
+    if bad is not None:
+        raise ValueError(bad)
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for key, value in rest.items():
+        parsed = parse_key(key)
+        if parsed is None:
+            continue
+        kind, idx, name = parsed
+        if kind == "master":
+            masters[idx] = value
+        else:
+            state.setdefault(idx, {})[name] = value if kind == "state" else decode_value(value, key)
+    out: dict[str, Any] = {
+        "state": dict(sorted(state.items())),
+        "param_groups": decode_groups(loaded[GROUPS_KEY], header["num_params"]),
+    }
+    if masters:
+        out[MASTER_KEY] = dict(sorted(masters.items()))
+    return out
+
+
+def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Format 1: pickled records (the caller opted in with ``allow_pickle=True``)."""
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for key, value in loaded.items():
+        parsed = parse_key(key)
+        if parsed is None:
+            continue
+        if parsed[0] == "master":
+            masters[parsed[1]] = value
+        else:
+            state.setdefault(parsed[1], {})[parsed[2]] = value
+    header = pickle.loads(loaded["shardkit_optim"])  # opted in: see allow_pickle
+    if not isinstance(header, dict) or header.get("format") != LEGACY_FORMAT:
+        raise ValueError(f"unsupported checkpoint format {header!r:.200}; expected {LEGACY_FORMAT}")
+    out = {
+        "state": dict(sorted(state.items())),
+        "param_groups": pickle.loads(loaded["param_groups"]),  # opted in: see allow_pickle
+    }
+    if masters:
+        out[MASTER_KEY] = dict(sorted(masters.items()))
+    return out
+
+
+def _reader(opened: Opened, allow_pickle: bool) -> SafeFileSystemReader:
+    return SafeFileSystemReader(
+        str(opened.version), allow_pickle=allow_pickle and opened.format == LEGACY_FORMAT
+    )
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message`` of ``e``; of the first rank's failure for DCP's CheckpointException."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            return f"{type(inner).__name__}: {str(inner)[:2000]} (rank {rank})"
+    return f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def load_sharded(
+    optimizer: ShardedOptimizer,
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    allow_missing_commit_record: bool = False,
+) -> None:
+    """Loads a checkpoint written by :func:`save_sharded` at any world size. Collective.
+
+    Safe on untrusted checkpoints (see ``docs/security.md``): nothing in the checkpoint is
+    unpickled outside an allow-list, and before any buffer is allocated every rank checks the
+    whole checkpoint against the params: keys, shapes, dtypes, byte counts and the sizes of the
+    files (see [Note: Load validation]). Each rank then reads only the state of the params it
+    owns under the current partition; every item read is checked against its saved checksum.
+
+    Args:
+        optimizer: the sharded optimizer (every rank of its group calls this).
+        path: the checkpoint directory.
+        allow_pickle: also load a checkpoint of format ``shardkit.optim.sharded/1`` (written by
+            shardkit-optim <= 0.1.8), whose records are pickles: this UNPICKLES them (with DCP's
+            ``torch.load(weights_only=False)`` and ``pickle.loads``), which runs any code a
+            crafted checkpoint contains. Only for checkpoints you trust; save it again to
+            convert it. Format-2 checkpoints never unpickle anything of their own.
+        allow_missing_commit_record: also load a checkpoint whose commit record
+            (``SHARDKIT_COMMIT``) is missing, empty or unreadable (refused by default). A
+            format-2 checkpoint is then still verified item by item against the checksums of
+            its ``shardkit/header`` record (which itself is only checked against its schema);
+            a format-1 or shardkit-optim 0.1 checkpoint has no other checksums and loads
+            UNVERIFIED: a corrupted payload loads silently.
 
     Raises:
         FileNotFoundError: ``path`` is not a committed checkpoint.
-        ValueError: an item fails its checksum.
+        ValueError: (``UnsafeCheckpointError`` for what only a damaged or crafted checkpoint
+            holds) the checkpoint was saved for a different model or param group layout, an
+            item fails its checksum, a record fails its schema, sizes do not fit, or it needs
+            an opt-in above. Raised on every rank, naming the item or field.
     """
-    version, metadata, header = _open(Path(path))
-    req = _request(metadata, None)
-    with warnings.catch_warnings():
-        # DCP warns that it assumes a single process, which is exactly the intent here.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        _dcp_load(req, checkpoint_id=str(version), no_dist=True)
-    bad = verify_checksums(req, header.get("checksums", {}), lambda key: _where(metadata, key))
-    if bad is not None:
-        raise ValueError(f"load_consolidated({path}): {bad}")
-    return _assemble(req)
+    _require_numpy("load_sharded")
+    group = optimizer.group
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    error: str | None = None
+    opened: Opened | None = None
+    try:
+        opened = _open(Path(path), allow_pickle, allow_missing_commit_record)
+        validate_against(opened, params)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        error = _describe(e)
+    # Every rank decides the same way from shared files, but a rank that cannot see them (no
+    # shared filesystem) must not leave the others waiting in DCP's collectives.
+    errors = [e for e in all_gather_objects(error, group) if e is not None]
+    if errors:
+        kind, _, message = errors[0].partition(": ")
+        cls = {
+            "FileNotFoundError": FileNotFoundError,
+            "UnsafeCheckpointError": UnsafeCheckpointError,
+        }
+        raise cls.get(kind, ValueError)(message)
+    if opened is None:  # unreachable: no rank reported an error
+        raise RuntimeError("load_sharded: internal error, the checkpoint was not opened")
+    wanted = set(optimizer._checkpoint_indices())  # noqa: SLF001 (shardkit-optim's own)
+    req = request(opened, wanted)
+    try:
+        _dcp_load(req, storage_reader=_reader(opened, allow_pickle), process_group=group)
+    except (Exception, CheckpointException) as e:  # DCP raises on every rank (gathered)
+        raise ValueError(
+            f"load_sharded({path}): reading the checkpoint failed, it is damaged or crafted: "
+            f"{_describe(e)}"
+        ) from None
+    assembled: dict[str, Any] | None = None
+    try:
+        assembled = _verify_and_assemble(opened, req)
+    except ValueError as e:
+        error = _describe(e)
+    bad_all = [b for b in all_gather_objects(error, group) if b is not None]
+    if bad_all or assembled is None:
+        kind, _, message = (bad_all[0] if bad_all else "ValueError: no state").partition(": ")
+        cls2 = UnsafeCheckpointError if kind == "UnsafeCheckpointError" else ValueError
+        raise cls2(f"load_sharded({path}): {message}")
+    optimizer.load_state_dict(assembled)
+
+
+def load_consolidated(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    allow_missing_commit_record: bool = False,
+) -> dict[str, Any]:
+    """Reads a sharded checkpoint offline (one process, no process group) as one plain dict.
+
+    The result loads into the plain torch optimizer class that was sharded. Safe on untrusted
+    checkpoints as :func:`load_sharded` (sizes are checked against the checkpoint's own param
+    shapes, as there is no model here); every item is checked against its saved checksum.
+
+    Args:
+        path: the checkpoint directory.
+        allow_pickle: also load a checkpoint of format ``shardkit.optim.sharded/1`` (written by
+            shardkit-optim <= 0.1.8), whose records are pickles: this UNPICKLES them (with DCP's
+            ``torch.load(weights_only=False)`` and ``pickle.loads``), which runs any code a
+            crafted checkpoint contains. Only for checkpoints you trust; save it again to
+            convert it. Format-2 checkpoints never unpickle anything of their own.
+        allow_missing_commit_record: also load a checkpoint whose commit record
+            (``SHARDKIT_COMMIT``) is missing, empty or unreadable (refused by default). A
+            format-2 checkpoint is then still verified item by item against the checksums of
+            its ``shardkit/header`` record (which itself is only checked against its schema);
+            a format-1 or shardkit-optim 0.1 checkpoint has no other checksums and loads
+            UNVERIFIED: a corrupted payload loads silently.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a committed checkpoint.
+        ValueError: (``UnsafeCheckpointError`` for what only a damaged or crafted checkpoint
+            holds) an item fails its checksum, a record its schema, sizes do not fit, or it
+            needs an opt-in above.
+    """
+    opened = _open(Path(path), allow_pickle, allow_missing_commit_record)
+    validate_against(opened, None)
+    req = request(opened, None)
+    try:
+        with warnings.catch_warnings():
+            # DCP warns that it assumes a single process, which is exactly the intent here.
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single"
+            )
+            _dcp_load(req, storage_reader=_reader(opened, allow_pickle), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise ValueError(
+            f"load_consolidated({path}): reading the checkpoint failed, it is damaged or "
+            f"crafted: {_describe(e)}"
+        ) from None
+    try:
+        return _verify_and_assemble(opened, req)
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"load_consolidated({path}): {e}") from None
+    except ValueError as e:
+        raise ValueError(f"load_consolidated({path}): {e}") from None

@@ -25,9 +25,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     cons.add_argument("checkpoint", help="directory written by shardkit.optim.save_sharded")
     cons.add_argument("output", help="file to write with torch.save")
+    cons.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="also read a format-1 checkpoint, whose records are pickles: loading it can run "
+        "code its writer put there; only for checkpoints you trust (docs/security.md)",
+    )
+    cons.add_argument(
+        "--allow-missing-commit-record",
+        action="store_true",
+        help="read a version whose SHARDKIT_COMMIT record is missing or damaged (see "
+        "load_consolidated's docstring for what stays verified)",
+    )
     args = parser.parse_args(argv)
     try:
-        sd = load_consolidated(args.checkpoint)
+        sd = load_consolidated(
+            args.checkpoint,
+            allow_pickle=args.allow_pickle,
+            allow_missing_commit_record=args.allow_missing_commit_record,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,14 +15,17 @@ whole ``<parent>/.<name>.tmp-<token>`` directory (version and pointer) and renam
 instant therefore leaves ``<path>`` absent (first save) or pointing at the old or the new
 version, complete. Directories a crashed save left behind are removed by the next save to the
 same path; a failed save removes its own. Loading reads ``LATEST``; a checkpoint written by
-shardkit-optim 0.1 (DCP files and marker directly in ``<path>``) still loads, and the first
-save over it converts it.
+shardkit-optim 0.1 (DCP files and marker directly in ``<path>``) still loads (through the
+opt-ins of [Note: Commit record required]: its record is empty and its records pickled), and
+the first save over it converts it.
 
 [Note: Checkpoint checksums]
-Every rank computes a CRC-32 of every item it writes (tensor bytes; the pickled blobs); the
-coordinator gathers them into the marker. A load recomputes the CRC of every item it read and
-raises naming the item, the rank and the file on a mismatch (silent corruption: flipped or
-overwritten bytes in a payload), on every rank. Before committing, the coordinator also checks
+Every rank computes a CRC-32 of every item it writes (tensor bytes) before DCP writes them;
+every rank gathers them into the ``shardkit/header`` record and the coordinator writes them
+into the marker (with the header record's own). A load recomputes the CRC of every item it
+read and raises naming the item, the rank and the file on a mismatch (silent corruption:
+flipped or overwritten bytes in a payload), or on an item without a saved CRC, on every rank;
+every saved item must be in the metadata. Before committing, the coordinator also checks
 that every file DCP's metadata refers to is visible to it with at least the bytes the metadata
 needs: a rank whose files went to a directory the coordinator cannot see (no shared
 filesystem) fails the save on every rank instead of committing an unloadable checkpoint.
@@ -158,20 +161,31 @@ def remove_old_versions(final: Path, keep: str) -> None:
             p.unlink(missing_ok=True)  # a converted 0.1 checkpoint
 
 
-def resolve(path: Path) -> Path:
+def resolve(path: Path, require_marker: bool = True) -> Path:
     """The committed version directory of the checkpoint at ``path``.
+
+    Args:
+        path: the checkpoint directory.
+        require_marker: the version must hold its commit record (see [Note: Commit record
+            required]); ``False`` accepts a version the pointer names that lost it.
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
     """
     pointer = path / POINTER
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        name = pointer.read_text(errors="replace").strip()
         version = path / name
-        if not _VERSION.match(name) or not (version / MARKER).is_file():
+        if not _VERSION.match(name) or not version.is_dir():
             raise FileNotFoundError(
-                f"{path}/{POINTER} names {name!r}, which is not a committed version there; the "
+                f"{path}/{POINTER} names {name[:80]!r}, which is not a version there; the "
                 f"checkpoint directory was modified by hand or is damaged"
+            )
+        if require_marker and not (version / MARKER).is_file():
+            raise FileNotFoundError(
+                f"{version} has no commit record ({MARKER}): the checkpoint is damaged (its "
+                f"payloads cannot be verified against it). Pass "
+                f"allow_missing_commit_record=True to load it anyway (see its docstring)."
             )
         return version
     if (path / MARKER).is_file():
@@ -183,26 +197,49 @@ def resolve(path: Path) -> Path:
     )
 
 
+# [Note: Commit record required]
+# The commit record (``SHARDKIT_COMMIT``) carries the checksum of every item. A load refuses a
+# version whose record is missing, empty, not JSON or not a valid header: with it gone nothing
+# would tell a damaged payload from a good one (shardkit-optim 0.1 read an empty record as "no
+# checksums" and loaded corrupted state silently). ``allow_missing_commit_record=True`` loads
+# such a checkpoint; a format-2 checkpoint is then still verified item by item against the
+# checksums its ``shardkit/header`` record carries (see [Note: Checkpoint records]), only that
+# record itself is checked by its schema alone; a format-1 checkpoint (or a 0.1 one, whose
+# record is empty) has no other checksums and loads unverified.
 def read_header(version: Path) -> dict[str, Any]:
-    """The marker's JSON (header fields and ``checksums``); ``{}`` for a 0.1 marker."""
+    """The commit record's JSON object (header fields and ``checksums``).
+
+    Raises:
+        ValueError: the record is missing, empty, not JSON or not a JSON object. See
+            [Note: Commit record required].
+    """
+    marker = version / MARKER
+    hint = (
+        "the checkpoint is damaged; pass allow_missing_commit_record=True to load it anyway "
+        "(see its docstring for what is then verified)"
+    )
+    if not marker.is_file():  # absent, or a FIFO/device that would block
+        raise ValueError(f"{marker} (the commit record) is not a regular file; {hint}")
     try:
-        data = json.loads((version / MARKER).read_text() or "{}")
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{version / MARKER} is not valid JSON ({e}); the checkpoint is damaged"
-        ) from None
+        raw = marker.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{marker} cannot be read ({type(e).__name__}: {e}); {hint}") from None
+    if not raw.strip():
+        raise ValueError(f"{marker} (the commit record) is empty; {hint}")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{marker} is not valid JSON ({str(e)[:100]}); {hint}") from None
     if not isinstance(data, dict):
-        raise ValueError(
-            f"{version / MARKER} does not hold a JSON object; the checkpoint is damaged"
-        )
+        raise ValueError(f"{marker} does not hold a JSON object; {hint}")
     return data
 
 
 def verify_files(stage: Path) -> None:
     """Every file the DCP metadata refers to is here with enough bytes. See the Note."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from shardkit.optim._safe_reader import read_safe_metadata
 
-    metadata = FileSystemReader(str(stage)).read_metadata()
+    metadata = read_safe_metadata(stage)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = str(info.relative_path)
@@ -222,11 +259,17 @@ def verify_files(stage: Path) -> None:
 
 
 def verify_checksums(
-    loaded: dict[str, Any], expected: dict[str, int], where: Callable[[str], str]
+    loaded: dict[str, Any],
+    expected: dict[str, int],
+    where: Callable[[str], str],
+    strict: bool = False,
 ) -> str | None:
-    """The first item of ``loaded`` whose CRC differs from ``expected``, described; else None."""
+    """The first item of ``loaded`` whose CRC differs from ``expected`` (or, with ``strict``,
+    that has no saved CRC), described; else None."""
     for key, value in loaded.items():
         want = expected.get(key)
+        if want is None and strict and isinstance(value, torch.Tensor):
+            return f"item {key!r} ({where(key)}) has no saved checksum: it was not part of the save"
         if want is None or value is None:
             continue
         got = checksum(value)

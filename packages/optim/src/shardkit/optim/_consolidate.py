@@ -19,11 +19,10 @@ of it), and the source's tensors arrive as a sequence of messages (see ``_plan``
 With NCCL each message is received into a device staging tensor and copied into the host buffer
 before the next message, so the device holds at most one message of the full state. Other ranks
 never receive anything (point to point to the recipient), except with ``recipient=-1`` where
-every message is broadcast. The recipient's own CPU shard is aliased, not copied, when the
-caller allows it (``alias``; see [Note: Copy-on-write consolidation]); the rest of its own
-shard is copied into its host buffer while the first remote source's messages arrive (Gloo
-receives run on Gloo's own threads). Peak host memory on the recipient: the remote shards (plus
-its own where it cannot be aliased); on senders: nothing beyond small packs.
+every message is broadcast. The recipient's own shard is copied into its host buffer while the
+first remote source's messages arrive (Gloo receives run on Gloo's own threads), so the result
+is a snapshot: nothing in it aliases live optimizer state. Peak host memory on the recipient:
+one full copy of the state; on senders: nothing beyond small packs.
 
 Where the time goes (profiled at world 2, 134 MB of Adam state per rank, Gloo on a 2-core VM):
 fresh host memory is expensive (first-touch page faults cost as much as the copy itself), so the
@@ -131,7 +130,6 @@ def _consolidate(
     skipped: set[int],
     *,
     error: Exception | None = None,
-    alias: set[int] | None = None,
 ) -> dict[int, dict[str, Any]] | None:
     """Collective. Returns the full ``{global index: state}`` on recipients, ``None`` elsewhere.
 
@@ -147,8 +145,6 @@ def _consolidate(
             them itself, a copy).
         error: this rank's argument error, if any: raised here, and every other rank raises too
             (instead of waiting for this rank's tensors).
-        alias: ids of this rank's live CPU tensors that the recipient may put in the result as
-            views instead of copies (see [Note: Copy-on-write consolidation]).
     """
     world = dist.get_world_size(group)
     tensors, values = _describe(local, skipped)
@@ -181,13 +177,7 @@ def _consolidate(
         if out is None:
             return
         for dtype, all_metas in _by_dtype(gathered[rank][1]):
-            metas = []
-            for m in all_metas:
-                live = local[m[0]][m[1]]
-                if alias and id(live) in alias:
-                    out.setdefault(m[0], {})[m[1]] = live.detach().view(m[2])
-                else:
-                    metas.append(m)
+            metas = list(all_metas)
             if not metas:
                 continue
             host = torch.empty(sum(_numel(m[2]) for m in metas), dtype=dtype)

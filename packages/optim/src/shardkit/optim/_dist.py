@@ -1,4 +1,4 @@
-"""Process-group helpers: rank translation, communication device, cross-rank agreement."""
+"""Process-group helpers: rank translation, communication device."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.partition import all_gather_objects
 
 __all__: list[str] = []
 
@@ -59,19 +58,3 @@ def _reduces_on(group: dist.ProcessGroup, device: torch.device) -> bool:
     """
     backend = str(dist.get_backend(group)).lower()
     return device.type == "cuda" if "nccl" in backend else device.type in ("cpu", "cuda")
-
-
-def _agree(value: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
-    """All-gathers a small picklable ``value`` and raises on every rank if the ranks disagree.
-
-    This is the agreement step that precedes any collective some ranks might otherwise skip or
-    size differently, so a mismatch raises everywhere instead of deadlocking.
-    """
-    gathered = all_gather_objects(value, group)  # See [Note: Object collectives without NumPy]
-    if any(v != gathered[0] for v in gathered):
-        detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(gathered))
-        raise ValueError(
-            f"ranks disagree on {what}: {detail}. Every rank of the optimizer's group must make "
-            f"the same call with the same arguments."
-        )
-    return gathered

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from shardkit.optim._driver import ShardLayout
 from shardkit.partition import ALGORITHMS, partition
 
 __all__: list[str] = []
@@ -23,34 +23,6 @@ _ALGORITHMS = tuple(ALGORITHMS)
 # Trainable parameters are partitioned by shardkit-partition; frozen ones are never stepped nor
 # synchronised, and are given a round-robin owner only so that state they carried from a time they
 # were trainable has a home.
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Which rank owns which parameter.
-
-    Attributes:
-        params: every parameter of the wrapper, in global-index order.
-        group_index: global index -> index of its param group.
-        owner: global index -> owning rank (group numbering).
-        trainable: global index -> ``requires_grad`` when the layout was built.
-        order: global indices in the order params are laid out in the flat sync buffers
-            (empty: global-index order). See [Note: Imposed partition].
-    """
-
-    params: tuple[torch.Tensor, ...]
-    group_index: tuple[int, ...]
-    owner: tuple[int, ...]
-    trainable: tuple[bool, ...]
-    order: tuple[int, ...] = ()
-
-    def owned(self, rank: int) -> list[int]:
-        """Global indices owned by ``rank``, ascending."""
-        return [i for i, r in enumerate(self.owner) if r == rank]
-
-    def index_of(self) -> dict[int, int]:
-        """``id(param) -> global index``."""
-        return {id(p): i for i, p in enumerate(self.params)}
 
 
 def _check_algorithm(algorithm: Any) -> str:
@@ -89,7 +61,8 @@ def _check_imposed(
             f"group rank per param, in param-group order."
         )
     bad = [
-        (i, o) for i, o in enumerate(owners)
+        (i, o)
+        for i, o in enumerate(owners)
         if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < world_size
     ]
     if bad:
@@ -121,7 +94,7 @@ def _build_layout(
     world_size: int,
     algorithm: str,
     imposed: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-) -> _Layout:
+) -> ShardLayout:
     """The partition: by ``algorithm``, or ``imposed`` ``(owners, order)`` when given."""
     params: list[torch.Tensor] = []
     group_index: list[int] = []
@@ -131,11 +104,13 @@ def _build_layout(
             group_index.append(gi)
     trainable = [bool(p.requires_grad) for p in params]
     if imposed is not None:
-        return _Layout(tuple(params), tuple(group_index), imposed[0], tuple(trainable), imposed[1])
+        return ShardLayout(
+            tuple(params), tuple(group_index), imposed[0], tuple(trainable), imposed[1]
+        )
     owner = [i % world_size for i in range(len(params))]
     train_idx = [i for i, t in enumerate(trainable) if t]
     if train_idx:
         plan = partition([params[i] for i in train_idx], world_size, algorithm=algorithm)
         for local, rank in enumerate(plan.assignment):
             owner[train_idx[local]] = int(rank)
-    return _Layout(tuple(params), tuple(group_index), tuple(owner), tuple(trainable))
+    return ShardLayout(tuple(params), tuple(group_index), tuple(owner), tuple(trainable))

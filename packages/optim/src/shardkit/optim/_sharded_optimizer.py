@@ -1,21 +1,20 @@
 """``ShardedOptimizer``: ZeRO-1 optimizer state sharding around any torch optimizer.
 
-Entry points for shardkit-overlap (which drives the optimizer per DDP bucket from comm hooks):
+Public entry points for the code that drives the step (shardkit-overlap's comm hook,
+shardkit-ddp's ``ShardedDataParallel``); see [Note: Step drivers] in ``shardkit.optim._driver``:
 
-- ``opt.set_partition(owners, sync_order=...)`` (public, collective) imposes the owner of every
-  param and the layout of the flat sync buffers (one run per DDP bucket and owner).
-- ``opt._step_local(params=None, closure=None, **kwargs)`` runs the local optimizer on this
-  rank's shard, restricted to ``params`` when given (params owned by other ranks are ignored),
-  after pushing the wrapper's hyperparameters down and before pulling them back up; the cost is
-  O(len(params)), not O(all params).
-- ``opt._sync_params(params=None, async_op=False)`` broadcasts exactly the owners' values of
-  ``params`` (all when ``None``) from the flat buffers; with ``async_op`` it returns the works.
-- ``opt._attach_stepper(name)`` / ``opt._detach_stepper()`` / ``opt._mark_stepped()``: see
-  [Note: External stepper].
-- ``opt.param_to_rank`` / ``opt.owned_params`` tell which rank owns what.
+- ``opt.shard_layout`` tells which rank owns which param (a :class:`ShardLayout`);
+- ``opt.set_partition(owners, sync_order=...)`` (collective) imposes the owner of every
+  param and the layout of the flat sync buffers (one run per DDP bucket and owner);
+- ``opt.step_local(params=None, closure=None, **kwargs)`` runs the wrapped optimizer on this
+  rank's shard, restricted to ``params`` when given; the cost is O(len(params));
+- ``opt.sync_params(params=None, async_op=False)`` broadcasts exactly the owners' values of
+  ``params`` (all when ``None``) from the flat buffers; with ``async_op`` it returns the works;
+- ``opt.check_step(error=None)`` is the per-step agreement (collective), which a driver runs
+  before it changes any shard;
+- ``opt.attach_driver(driver)`` / ``opt.detach_driver()`` / ``opt.driver``.
 
-``step()`` is exactly ``_step_local()`` followed by ``_sync_params()`` (when no stepper is
-attached).
+Without a driver, ``step()`` is ``check_step()``, then ``step_local()``, then ``sync_params()``.
 """
 
 from __future__ import annotations
@@ -29,13 +28,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim._agreement import agree_step, check_param_order, hyperparam_digest
-from shardkit.optim._blocked import _BlockedStepper, _check_block_bytes
+from shardkit.optim._agreement import (
+    agree_step,
+    agree_values,
+    check_param_order,
+    hyperparam_digest,
+    side_group,
+)
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
-from shardkit.optim._cow import _CopyOnWrite
-from shardkit.optim._dist import _agree, _resolve_group
-from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed, _Layout
+from shardkit.optim._dist import _resolve_group
+from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
+from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed
 from shardkit.optim._master import (
     _WIRE_KEY,
     _Masters,
@@ -88,10 +92,6 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         broadcast_fp16: send the updated params as fp16 (owners keep their exact values).
         partition_algorithm: ``"greedy"``, ``"sorted_greedy"`` or ``"balanced"``
             (shardkit-partition).
-        step_block_bytes: on CPU, step element-wise torch optimizers (SGD, Adam, AdamW,
-            Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta) over slices of this many bytes of
-            each param, so every pass of the update works in cache: same result bit for bit,
-            checked by a probe (see ``shardkit.optim._blocked``). ``None`` steps whole params.
         master_dtype: keep a master copy in this dtype (``torch.float32``) of every owned
             bf16/fp16 param and step it instead of the param, with optimizer state in that
             dtype too (see [Note: Master weights] in ``shardkit.optim._master``). Params
@@ -101,9 +101,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             of a step); the wrapped optimizer's ``step`` then runs once per chunk, which every
             torch optimizer with per-param state allows. ``None``: one chunk (one ``step``
             call, e.g. for an optimizer that needs all its params at once).
-        collective_timeout: seconds (or a ``timedelta``) to wait in the agreement collective
-            that starts every ``step()`` (see [Note: Per-step agreement]) before raising
-            that some rank did not take part; ``None``: the process group's timeout.
+        collective_timeout: seconds (or a ``timedelta``) each collective entry point
+            (``step()``, ``consolidate_state_dict()``, the implicit consolidation of
+            ``state_dict()``) waits in its agreement for the other ranks before raising that
+            some rank did not make the same call (see [Note: Call agreement]); ``None``: 30 s.
+            Raise it if ranks legitimately reach ``step()`` far apart (e.g. rank 0 alone runs
+            a long evaluation first).
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
@@ -121,7 +124,6 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         broadcast_fp16: bool = False,
         *,
         partition_algorithm: str = "sorted_greedy",
-        step_block_bytes: int | None = 1 << 20,
         master_dtype: torch.dtype | None = None,
         master_grad_bucket_bytes: int | None = 32 << 20,
         collective_timeout: float | timedelta | None = None,
@@ -169,8 +171,6 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self.global_rank: int = dist.get_rank()
         self.broadcast_fp16 = broadcast_fp16
         self._algorithm = _check_algorithm(partition_algorithm)
-        block = _check_block_bytes(step_block_bytes)
-        self._blocked = _BlockedStepper(block) if block is not None else None
         self._optim_cls = optim
         self._optim_defaults = dict(defaults)
         self._initialized = False
@@ -183,26 +183,23 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         # See [Note: Imposed partition]: (param ids, requires_grad mask, owners, order).
         self._imposed: tuple[tuple[int, ...], bytes, tuple[int, ...], tuple[int, ...]] | None = None
         self._local_slot: dict[int, int] = {}
-        # See [Note: External stepper].
-        self._stepper: str | None = None
-        self._skip_next_step = False
-        self._cow = _CopyOnWrite()  # see [Note: Copy-on-write consolidation]
+        self._driver: StepDriver | None = None  # See [Note: Step drivers].
         super().__init__(params, defaults)
         self.optim: Optimizer
-        self._layout: _Layout
+        self._layout: ShardLayout
         self._sync: _ParamSync
         self._rebuild(migrate=False)
         check_param_order(self._layout.params, self.group)  # [Note: Param order fingerprint]
+        side_group(self.group)  # created by every rank here; see [Note: Call agreement]
         self._initialized = True
 
     # ------------------------------------------------------------------ layout
     def _rebuild(self, migrate: bool) -> None:
         """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
-        self._resolve_cow()
         params = [p for g in self.param_groups for p in g["params"]]
         mask = bytes(int(p.requires_grad) for p in params)
         not_dense = [(i, p.layout) for i, p in enumerate(params) if p.layout != torch.strided]
-        _agree(
+        agree_values(
             (
                 bool(not_dense),
                 self._algorithm,
@@ -259,8 +256,6 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             for g, ps in zip(self.param_groups, opt_local, strict=True)
         ]
         self.optim = self._optim_cls(groups, **self._optim_defaults)
-        if self._blocked is not None:
-            self._blocked.clear()
         self._layout = layout
         if migrate:
             entries: dict[int, dict[str, Any]] = {}
@@ -302,6 +297,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group; after construction this repartitions (collective)."""
+        self._refuse_repartition("add_param_group")
         super().add_param_group(param_group)
         if self._initialized:
             self._rebuild(migrate=True)
@@ -327,9 +323,10 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             TypeError, ValueError: malformed ``owners`` / ``sync_order`` (what was received is
                 in the message), or ranks passing different values (raised on every rank).
         """
+        self._refuse_repartition("set_partition")
         params = [p for g in self.param_groups for p in g["params"]]
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
-        _agree(
+        agree_values(
             (
                 hashlib.sha1(repr((own, order)).encode()).hexdigest(),
                 hyperparam_digest(self.param_groups),
@@ -349,6 +346,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         The state of every param is all-gathered once to move it to its new owner: this is meant
         for occasional changes, not every step.
         """
+        self._refuse_repartition("refresh_trainable")
         self._rebuild(migrate=True)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
@@ -364,6 +362,22 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             ]
             for r in range(self.world_size)
         ]
+
+    @property
+    def shard_layout(self) -> ShardLayout:
+        """The current partition: which rank owns which param (read-only)."""
+        return self._layout
+
+    @property
+    def collective_timeout(self) -> timedelta | None:
+        """How long a collective entry point waits for the other ranks (``None``: 30 s); see
+        [Note: Call agreement]. Drivers use it for their own agreements."""
+        return self._timeout
+
+    @property
+    def driver(self) -> StepDriver | None:
+        """The attached step driver, if any. See [Note: Step drivers]."""
+        return self._driver
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
@@ -425,7 +439,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             )
             self.refresh_trainable()
 
-    def _step_local(
+    def step_local(
         self,
         params: Iterable[torch.Tensor] | None = None,
         closure: Callable[[], Any] | None = None,
@@ -433,11 +447,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
     ) -> Any:
         """Steps this rank's shard only (optionally only ``params``). No communication.
 
+        For step drivers (see [Note: Step drivers]); a training loop calls :meth:`step`.
+
         With ``params``, costs O(len(params)) besides the step itself: the local groups are
         narrowed to the owned ones among ``params`` for the call, then restored. With master
         weights the step runs chunk by chunk (see [Note: Master weights]).
         """
-        self._resolve_cow()
         self._push_hyperparams()
         try:
             with record_function("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
@@ -473,10 +488,6 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         try:
             if closure is not None or kwargs:
                 return self.optim.step(closure, **kwargs)
-            if self._blocked is not None and self._blocked.step(
-                self.optim, [g["params"] for g in self.optim.param_groups]
-            ):
-                return None  # see [Note: Cache-blocked step]
             return self.optim.step()
         finally:
             if saved is not None:
@@ -510,82 +521,122 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             del flats
         return loss
 
-    def _sync_params(
+    def sync_params(
         self, params: Iterable[torch.Tensor] | None = None, async_op: bool = False
     ) -> list[dist.Work]:
-        """Broadcasts owners' values of ``params`` (all if ``None``). Collective."""
+        """Broadcasts owners' values of ``params`` (all if ``None``). Collective.
+
+        See [Note: Exact sync spans] in ``shardkit.optim._sync``: exactly the given params are
+        sent, one broadcast per contiguous run of them per owner. With ``async_op`` the works
+        are returned unwaited.
+        """
         with record_function("shardkit.optim.sync"):
             return self._sync.sync(params, async_op=async_op)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Steps this rank's shard, then syncs every param from its owner. Collective.
 
-        When a comm hook steps this optimizer (shardkit-overlap), this is the training loop's
-        no-op step after each synchronised backward (see [Note: External stepper]).
+        With a step driver attached this is ``driver.step(closure, **kwargs)`` (see
+        [Note: Step drivers]): e.g. under shardkit-overlap's comm hook, the training loop's
+        no-op step after each synchronised backward.
 
         Args:
             closure: re-evaluates the model and returns the loss (called once on every rank).
             **kwargs: extra arguments forwarded to the wrapped optimizer's ``step``.
 
         Raises:
-            RuntimeError: a comm hook steps this optimizer and no synchronised backward ran
-                since the last step, or a closure was given while a comm hook steps it.
+            ValueError: ranks disagree on the hyper-parameters (raised on every rank, before
+                any shard changes).
+            RuntimeError: the attached driver refuses the step (e.g. no synchronised backward
+                ran since the last step).
         """
-        if self._stepper is not None:
-            return self._consume_external_step(closure)
+        if self._driver is not None:
+            loss = self._driver.step(closure, **kwargs)
+            self._state_version += 1
+            return loss
         self._check_before_step()
         self._sync.reattach_moved()  # See [Note: Params moved off their buckets]
-        loss = self._step_local(None, closure, **kwargs)
-        self._sync_params()
+        loss = self.step_local(None, closure, **kwargs)
+        self.sync_params()
         return loss
 
-    # [Note: External stepper]
-    # A comm hook (shardkit-overlap) may step this optimizer from inside backward, bucket by
-    # bucket. It attaches itself with ``_attach_stepper(name)`` (one at a time) and, once a
-    # backward has stepped every param, calls ``_mark_stepped()``. The training loop keeps its
-    # usual ``optimizer.step()`` (so LR schedulers and GradScaler see a step): while a stepper is
-    # attached, ``step()`` consumes the mark and does nothing else, so the update is never
-    # applied twice. Without a mark it raises: the gradients were not reduced (only ``no_sync()``
-    # backwards ran) or the update was already consumed. A closure would run another backward,
-    # i.e. another hook step, so it is refused. ``_detach_stepper()`` restores the normal step.
-    def _attach_stepper(self, name: str) -> None:
-        if self._stepper is not None:
-            raise RuntimeError(
-                f"this ShardedOptimizer is already stepped by {self._stepper}; an optimizer can "
-                f"be stepped by one comm hook only. Close that one first."
+    # ------------------------------------------------------------------ drivers
+    def attach_driver(self, driver: StepDriver) -> None:
+        """Hands the step over to ``driver``; see [Note: Step drivers]. Local.
+
+        With a :class:`ShardOwner` the optimizer releases what it allocated for its own step
+        (flat sync buffers, the wrapped optimizer's state, master copies) and forwards its
+        step, gradient, clipping and state-dict methods to the driver for good.
+
+        Raises:
+            TypeError: ``driver`` is not a ``StepDriver``.
+            RuntimeError: another driver is attached.
+        """
+        if not isinstance(driver, StepDriver):
+            raise TypeError(
+                f"driver must be a shardkit.optim.StepDriver, got {type(driver).__name__}: "
+                f"{driver!r}; subclass StepDriver (or ShardOwner) and implement its methods"
             )
-        self._stepper = name
-        self._skip_next_step = False
-
-    def _detach_stepper(self) -> None:
-        self._stepper = None
-        self._skip_next_step = False
-
-    def _mark_stepped(self) -> None:
-        self._skip_next_step = True
+        if self._driver is not None:
+            raise RuntimeError(
+                f"this ShardedOptimizer is already driven by {self._driver.name}; an optimizer "
+                f"can be driven by one ShardedDataParallel or comm hook at a time. Close that "
+                f"one first."
+            )
+        self._driver = driver
+        if isinstance(driver, ShardOwner):
+            # The params now live in the driver's buffers: forget ours without touching them.
+            self._sync.drop()
+            if self._masters is not None:  # the wrapped optimizer held the masters: unhook
+                local = _local_groups(self._layout, self.rank, len(self.param_groups))
+                for lg, ps in zip(self.optim.param_groups, local, strict=True):
+                    lg["params"] = list(ps)
+                self._masters = None
+            self.optim.state.clear()
+            self._consolidated = None
+            self.state = _install_state(self.optim, self._state_flag)
         self._state_version += 1
 
-    def _consume_external_step(self, closure: Callable[[], Any] | None) -> None:
-        error = None
-        if closure is not None:
-            error = (
-                f"ShardedOptimizer.step(closure) while {self._stepper} steps this optimizer from "
-                f"its comm hook: the closure's backward would step it a second time. Run the "
-                f"forward/backward in the loop and call step() without a closure."
+    def detach_driver(self) -> None:
+        """Restores the optimizer's own step (a :class:`StepDriver` only). Local.
+
+        Raises:
+            RuntimeError: the attached driver is a ``ShardOwner``, which holds the state for
+                good: build a new ShardedOptimizer instead.
+        """
+        if isinstance(self._driver, ShardOwner):
+            raise RuntimeError(
+                f"{self._driver.name} owns this optimizer's sharded state and cannot be "
+                f"detached; build a new ShardedOptimizer to train without it"
             )
-        elif not self._skip_next_step:
-            error = (
-                f"ShardedOptimizer.step(): {self._stepper} steps this optimizer from DDP's comm "
-                f"hook, and no backward pass with gradient synchronisation ran on rank "
-                f"{self.rank} since the last step (under ddp.no_sync() the comm hooks do not "
-                f"run, and each backward's update is consumed by one step() call). Run a "
-                f"synchronised backward first."
-            )
+        self._driver = None
+
+    def check_step(self, error: str | None = None) -> None:
+        """The per-step agreement, for step drivers (collective; see [Note: Per-step agreement]).
+
+        Args:
+            error: this rank's own reason to refuse the step (e.g. no synchronised backward
+                ran), raised on every rank as a ``RuntimeError``.
+
+        Raises:
+            ValueError: ranks disagree on the hyper-parameters (on every rank).
+            RuntimeError: some rank passed an ``error``, or requires_grad changed (every rank).
+        """
         try:
             self._check_before_step(error, repartition=False)
-        except TypeError as e:  # the local reasons are RuntimeErrors, as before
+        except TypeError as e:  # the local reasons are RuntimeErrors
             raise RuntimeError(str(e)) from None
-        self._skip_next_step = False
+
+    def _owner(self) -> ShardOwner | None:
+        return self._driver if isinstance(self._driver, ShardOwner) else None
+
+    def _refuse_repartition(self, what: str) -> None:
+        owner = self._owner()
+        if owner is not None:
+            raise RuntimeError(
+                f"{what}: {owner.name} fixed this optimizer's params and bucket layout at "
+                f"construction; build a new ShardedOptimizer and wrapper instead"
+            )
 
     def _unscale_for_scaler(
         self, inv_scale: torch.Tensor
@@ -597,6 +648,9 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         in ``master_dtype``), and queues ``inv_scale`` for the masters' fp32 grads. See
         [Note: Master weights].
         """
+        owner = self._owner()
+        if owner is not None:
+            return owner.unscale_for_scaler(inv_scale)
         masters = self._masters
         if masters is None:
             return None
@@ -620,12 +674,19 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
 
         With master weights this also drops pending unscale/clip factors (new gradients).
         """
+        owner = self._owner()
+        if owner is not None:
+            owner.zero_grad(set_to_none)
+            return
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grad_factors()
 
     def _drop_grad_factors(self) -> None:
         """Forgets pending unscale/clip factors (see [Note: Master weights])."""
-        if self._masters is not None:
+        owner = self._owner()
+        if owner is not None:
+            owner.drop_grad_factors()
+        elif self._masters is not None:
             self._masters.factors.clear()
 
     def clip_grad_norm(
@@ -648,6 +709,14 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         Returns:
             The total norm before clipping (fp32 scalar tensor).
         """
+        owner = self._owner()
+        if owner is not None:
+            if filter_params_fn is not None:
+                raise ValueError(
+                    f"clip_grad_norm(filter_params_fn=...) is not supported under {owner.name}: "
+                    f"gradients are sharded by element ranges, not params"
+                )
+            return owner.clip_grad_norm(max_norm, norm_type)
         params = [p for p in self._layout.params if p.requires_grad]
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from shardkit.optim._layout import _Layout
+from shardkit.optim._driver import ShardLayout
 
 __all__: list[str] = []
 
@@ -19,7 +19,7 @@ def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _local_groups(layout: _Layout, rank: int, n_groups: int) -> list[list[torch.Tensor]]:
+def _local_groups(layout: ShardLayout, rank: int, n_groups: int) -> list[list[torch.Tensor]]:
     """The params of each wrapper group owned by ``rank`` (one list per group, maybe empty)."""
     groups: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
     for i in layout.owned(rank):
@@ -29,7 +29,7 @@ def _local_groups(layout: _Layout, rank: int, n_groups: int) -> list[list[torch.
 
 def _owned_state(
     optim_state: Mapping[torch.Tensor, Any],
-    layout: _Layout,
+    layout: ShardLayout,
     rank: int,
     key: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[int, dict[str, Any]]:
@@ -135,7 +135,7 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
 
 def _local_load_dict(
     state_dict: Mapping[str, Any],
-    layout: _Layout,
+    layout: ShardLayout,
     rank: int,
     n_groups: int,
     current: Mapping[torch.Tensor, Any],

@@ -14,14 +14,10 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from shardkit.optim._agreement import _wait
-from shardkit.optim._blocked import _BlockedStepper
+from shardkit.optim._agreement import _CALLS, agree_call
 from shardkit.optim._consolidate import _consolidate
-from shardkit.optim._cow import _CopyOnWrite
-from shardkit.optim._dist import _comm_device
-from shardkit.optim._layout import _Layout
+from shardkit.optim._driver import ShardLayout, ShardOwner
 from shardkit.optim._master import (
-    _WIRE_KEY,
     MASTER_KEY,
     _Masters,
     check_master_values,
@@ -56,10 +52,8 @@ class _StateDictMixin:
     rank: int
     world_size: int
     master_dtype: torch.dtype | None
-    _layout: _Layout
+    _layout: ShardLayout
     _masters: _Masters | None
-    _cow: _CopyOnWrite
-    _blocked: _BlockedStepper | None
     _consolidated: tuple[int, dict[str, Any]] | None
     _last_consolidation: tuple[int, int, bool] | None
     _state_flag: _StateFlag
@@ -67,6 +61,9 @@ class _StateDictMixin:
     _timeout: timedelta | None
 
     def _opt_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _owner(self) -> ShardOwner | None:
         raise NotImplementedError
 
     def _owned_entries(self) -> dict[int, dict[str, Any]]:
@@ -90,8 +87,13 @@ class _StateDictMixin:
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}`` (live).
 
-        With master weights, also ``"master_params": {global index: master}`` (live).
+        With master weights, also ``"master_params": {global index: master}`` (live). Under a
+        ``ShardOwner`` (see [Note: Step drivers]) it is the owner's ``checkpoint_state_dict()``
+        (collective there: every rank calls it, as ``save_sharded`` does).
         """
+        owner = self._owner()
+        if owner is not None:
+            return owner.checkpoint_state_dict()
         state, masters = split_wire(self._owned_entries())
         out: dict[str, Any] = {"state": state, "param_groups": self._global_param_groups()}
         if self._masters is not None:
@@ -115,6 +117,8 @@ class _StateDictMixin:
                 consolidated dict has their entries with ``meta`` tensors of the right shapes
                 (save those with :meth:`local_state_dict` on each owner instead).
         """
+        # Every rank in this call, within collective_timeout: see [Note: Call agreement].
+        agree_call(_CALLS[1], self.group, self._timeout)
         # Bad arguments raise on every rank: the error rides on the metadata exchange, which
         # every rank reaches, so a rank with valid arguments never waits for a crashed one.
         error: Exception | None = None
@@ -142,17 +146,15 @@ class _StateDictMixin:
                 error = e
         # Drop the previous consolidated copy first, so the peak is one copy, not two.
         self._consolidated = None
+        owner = self._owner()
+        if owner is not None:  # See [Note: Step drivers]: the owner holds the state
+            if error is not None:
+                raise error
+            # The owner assembles the full dict on every rank anyway: every rank keeps it.
+            self._consolidated = (self._state_version, owner.full_state_dict())
+            self._last_consolidation = (self._state_version, recipient_rank, False)
+            return
         local = self._owned_entries()
-        alias = None
-        if error is None and recipient_rank == self.rank:
-            # See [Note: Copy-on-write consolidation]. Masters are never aliased: the next step
-            # writes them in place, and they are not optimizer state the resolve step could
-            # rebind.
-            state_only = {
-                i: {k: v for k, v in st.items() if k != _WIRE_KEY} for i, st in local.items()
-            }
-            keys = [self._opt_tensor(p) for p in self._layout.params]
-            alias = self._cow.record(state_only, skipped, keys)
         with record_function("shardkit.optim.consolidate"):  # See [Note: Profiler ranges]
             full = _consolidate(
                 local,
@@ -161,7 +163,6 @@ class _StateDictMixin:
                 recipient_rank if error is None else 0,
                 skipped,
                 error=error,
-                alias=alias,
             )
         self._last_consolidation = (self._state_version, recipient_rank, False)
         if full is None:
@@ -172,12 +173,6 @@ class _StateDictMixin:
         if self._masters is not None:
             sd[MASTER_KEY] = masters
         self._consolidated = (self._state_version, sd)
-
-    def _resolve_cow(self) -> None:
-        """Before modifying the state. See [Note: Copy-on-write consolidation]."""
-        if self._cow.pending:
-            self._consolidated = None  # about to go stale: drop our references to the aliases
-            self._cow.resolve(self.optim.state)
 
     # [Note: Implicit consolidation]
     # Two ways to get the full state, told apart by the history of consolidations, which every
@@ -211,15 +206,7 @@ class _StateDictMixin:
                 "the full optimizer state onto every rank (a collective: every rank calls "
                 "state_dict(), as torch.distributed.checkpoint.state_dict does)"
             )
-        ready = torch.zeros(1, dtype=torch.int64, device=_comm_device(self.group))
-        work = dist.all_reduce(ready, group=self.group, async_op=True)
-        _wait(
-            work,
-            self._timeout,
-            "ShardedOptimizer.state_dict() with no prior consolidate_state_dict() (a collective: "
-            "call it on every rank, or consolidate_state_dict(recipient_rank=r) on every rank "
-            "and state_dict() on rank r)",
-        )
+        agree_call(_CALLS[2], self.group, self._timeout)  # See [Note: Call agreement]
         _StateDictMixin.consolidate_state_dict(self, recipient_rank=-1)
         self._last_consolidation = (self._state_version, -1, True)
 
@@ -279,6 +266,13 @@ class _StateDictMixin:
         master weights, each owned master is set from ``"master_params"`` exactly when the dict
         has it, else from the live param (load the model's weights first).
         """
+        owner = self._owner()
+        if owner is not None:  # See [Note: Step drivers]
+            owner.load_full_state_dict(state_dict)
+            for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
+                wg.update(copy.deepcopy(_hyperparams(sg)))
+            self._state_version += 1
+            return
         global _warned_ignored_masters
         _validate_plain_state_dict(state_dict, self.param_groups)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -293,7 +287,6 @@ class _StateDictMixin:
                     "ignored (build the optimizer with master_dtype=torch.float32 to keep them)",
                     len(masters_in),
                 )
-        self._resolve_cow()
         current = {
             p: st
             for p in (self._layout.params[i] for i in self._layout.owned(self.rank))
@@ -314,12 +307,17 @@ class _StateDictMixin:
                     if m is None or (value is not None and value.is_meta):
                         continue  # no master, or skipped at consolidation: keep it
                     m.copy_(p if value is None else value)
-        if self._blocked is not None:
-            self._blocked.clear()
         for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             wg.update(copy.deepcopy(_hyperparams(sg)))
         self._push_hyperparams()
         self._state_version += 1
+
+    def _checkpoint_indices(self) -> list[int]:
+        """Global indices whose saved state this rank reads in ``load_sharded``."""
+        owner = self._owner()
+        if owner is not None:
+            return owner.checkpoint_indices()
+        return self._layout.owned(self.rank)
 
     # ------------------------------------------------------------------ model weights
     def master_model_state_dict(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from shardkit.buckets import ParamBucket
 from shardkit.optim._dist import _global_rank
-from shardkit.optim._layout import _Layout
+from shardkit.optim._driver import ShardLayout
 
 __all__: list[str] = []
 
@@ -57,7 +57,7 @@ class _ParamSync:
     """Owns the flat buckets of one layout and broadcasts them from their owners."""
 
     def __init__(
-        self, layout: _Layout, group: dist.ProcessGroup, rank: int, broadcast_fp16: bool
+        self, layout: ShardLayout, group: dist.ProcessGroup, rank: int, broadcast_fp16: bool
     ) -> None:
         self._group = group
         self._rank = rank
@@ -129,6 +129,12 @@ class _ParamSync:
             for p in entry.params:
                 if id(p) not in kept:
                     p.data = p.data.clone()
+        self.buckets = []
+        self._bucket_of = {}
+
+    def drop(self) -> None:
+        """Forgets the flat buffers without touching the params (a ``ShardOwner`` re-pointed
+        them into its own buffers: see [Note: Step drivers]), so the buffers can be freed."""
         self.buckets = []
         self._bucket_of = {}
 

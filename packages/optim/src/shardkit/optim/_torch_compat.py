@@ -1,13 +1,18 @@
-"""The one place shardkit-optim reads torch internals.
+"""The one place shardkit-optim reads torch internals (and, through its public API, the
+distributions built on it: shardkit-ddp and shardkit-overlap use :func:`queue_end_of_backward`
+and :func:`profiler_range` from here instead of keeping copies).
 
-Registered optimizer step hooks (below) and storage reference counts (``_storage_use_count``).
-
-``torch.optim.Optimizer`` keeps per-instance step hooks in ``_optimizer_step_pre_hooks`` /
-``_optimizer_step_post_hooks`` and global ones in ``torch.optim.optimizer``'s
-``_global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``; there is no public way to ask
-whether any are registered. The cache-blocked step (see ``_blocked.py``) runs the optimizer class
-on slice views, which hooks would observe, so it steps aside when any hook exists.
-``tests/test_blocked.py::test_step_hooks_are_detected`` pins this.
+* ``torch.autograd.Variable._execution_engine.queue_callback``: runs a function once the  # noqa: SLF001 (pinned torch internal)
+  autograd engine has finished the current backward pass, after the callbacks queued before it
+  (torch's DDP queues its ``finalize_backward`` there; FSDP relies on it too). There is no
+  public equivalent: a post-accumulate-grad hook fires per param, and params unused in a
+  backward fire none. ``tests/test_torch_compat.py::test_queue_callback_runs_after_every_hook``
+  pins it.
+* ``torch.autograd.profiler._is_profiler_enabled``: the process-wide flag every torch profiler
+  entry point (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, ``emit_nvtx``,
+  ``emit_itt``) sets while it runs; torch's own compiler reads it to skip its ranges when nobody
+  profiles. No public equivalent. ``tests/test_torch_compat.py::
+  test_profiling_flag_follows_the_profiler`` pins it.
 
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
 inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
@@ -18,37 +23,64 @@ unscale master-weight gradients in fp32 (see [Note: Master weights]);
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
-import torch.optim.optimizer as _optimizer_module
-from torch.optim import Optimizer
+import torch.autograd.profiler as autograd_profiler
+from torch.autograd import Variable
 
-__all__: list[str] = []
+__all__ = ["profiler_range", "queue_end_of_backward"]
 
-
-def _has_step_hooks(optim: Optimizer) -> bool:
-    """Whether any step pre/post hook (on ``optim`` or global) is registered."""
-    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        hooks = getattr(optim, name, None)
-        if hooks is None or len(hooks):
-            return True  # unknown layout: assume hooks
-    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
-        hooks = getattr(_optimizer_module, name, None)
-        if hooks is None or len(hooks):
-            return True
-    return False
+logger = logging.getLogger("shardkit.optim")
+_logged_no_flag = False
+_NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 
 
-def _storage_use_count(t: torch.Tensor) -> int | None:
-    """How many tensors (and storage handles) share ``t``'s storage; ``None`` if unknown.
+def queue_end_of_backward(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` once the running backward pass finishes, after earlier queued callbacks.
 
-    Reads ``torch._C._storage_Use_Count``, the reference count of the C++ ``StorageImpl``.
-    Used by [Note: Copy-on-write consolidation]; ``None`` makes the caller copy instead.
-    ``tests/test_consolidate_cow.py::test_storage_use_count_pin`` pins its behaviour.
+    Call it from inside a backward pass (an autograd hook or a DDP comm hook).
     """
-    fn = getattr(torch._C, "_storage_Use_Count", None)
-    if fn is None:
-        return None
-    try:
-        return int(fn(t.untyped_storage()._cdata))
-    except (AttributeError, RuntimeError, TypeError):
-        return None
+    Variable._execution_engine.queue_callback(fn)  # noqa: SLF001 (pinned torch internal)
+
+
+def profiling() -> bool:
+    """Whether a torch profiler is running in this process.
+
+    Where torch no longer has the flag, ranges are always opened (logged once): the same
+    traces, a few microseconds more per range.
+    """
+    global _logged_no_flag
+    flag = getattr(autograd_profiler, "_is_profiler_enabled", None)
+    if isinstance(flag, bool):
+        return flag
+    if not _logged_no_flag:
+        _logged_no_flag = True
+        logger.info(
+            "shardkit: torch.autograd.profiler._is_profiler_enabled is gone in this torch; "
+            "profiler ranges are opened on every step (logged once)"
+        )
+    return True
+
+
+# [Note: Ranges only while profiling]
+# ``record_function`` costs ~1-10 us to open even when nobody profiles, which adds up on a
+# per-bucket path (one range per bucket launch and wait). So the per-bucket ranges of
+# shardkit-ddp and shardkit-overlap are opened only while a profiler runs in this process, and
+# the bucket's name is formatted only then.
+def profiler_range(name: str, index: int | None = None) -> AbstractContextManager[Any]:
+    """``record_function("<name>[<index>]")`` while a torch profiler runs, else a no-op.
+
+    See [Note: Ranges only while profiling].
+
+    Args:
+        name: the range's full name (e.g. ``"shardkit.ddp.reduce_scatter"``).
+        index: appended as ``[index]`` (e.g. a bucket index) when given.
+    """
+    if not profiling():
+        return _NO_RANGE
+    return torch.profiler.record_function(name if index is None else f"{name}[{index}]")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.optim import ShardedOptimizer
+from shardkit.optim import ShardedOptimizer, agree_outcome
 from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._overlap import CommHook, ZeroOverlap
-from shardkit.overlap._validation import _agree_outcome
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -144,7 +143,7 @@ def register_zero_overlap(
     try:
         # See [Note: Registration agreement]: a rank whose DDP refuses the hook must not leave
         # the others training with theirs.
-        _agree_outcome(error, overlap.zero.group, "ddp.register_comm_hook")
+        agree_outcome(error, overlap.zero.group, "ddp.register_comm_hook")
     except Exception:
         overlap.close()
         raise

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer
+from shardkit.optim import ShardedOptimizer, StepDriver, queue_end_of_backward
 from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._ownership import _apply_partition, _ddp_params, _planned_partition
 from shardkit.overlap._ranges import phase
-from shardkit.overlap._torch_compat import GradBucket, _queue_backward_callback
+from shardkit.overlap._torch_compat import GradBucket
 from shardkit.overlap._validation import (
     _agree_registration,
     _agreement_group,
@@ -188,7 +188,7 @@ class ZeroOverlap:
             _check_types(hook, ddp, zero, config.shard_buckets)
             if not isinstance(config.interleaved, bool):
                 raise TypeError(f"interleaved must be a bool, got {config.interleaved!r}")
-            if zero in _BY_OPTIMIZER or ddp in _BY_DDP or zero._stepper is not None:
+            if zero in _BY_OPTIMIZER or ddp in _BY_DDP or zero.driver is not None:
                 raise RuntimeError(
                     "an overlap hook is already built for this ShardedOptimizer or this DDP "
                     "model: DDP accepts one comm hook per model and the optimizer can be stepped "
@@ -240,8 +240,9 @@ class ZeroOverlap:
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before clipping of the latest :meth:`step` (``max_grad_norm``
         mode only)."""
+        self._driver = _HookDriver(self, f"the shardkit-overlap hook {self.__name__}")
         if not loop_step:
-            zero._attach_stepper(f"the shardkit-overlap hook {self.__name__}")
+            zero.attach_driver(self._driver)
         self._log_placement(max_grad_norm)
         _BY_OPTIMIZER[zero] = self
         _BY_DDP[ddp] = self
@@ -314,7 +315,7 @@ class ZeroOverlap:
         """Stops stepping from the hook (it keeps reducing) and restores ``zero.step()``."""
         self._drain()
         if not self._closed and not self._loop_step:
-            self.zero._detach_stepper()
+            self.zero.detach_driver()
         self._closed = True
         _BY_OPTIMIZER.pop(self.zero, None)
         ddp = self._ddp()
@@ -337,6 +338,11 @@ class ZeroOverlap:
         if self._closed or self._loop_step:
             with phase("reduce", index):  # See [Note: Profiler ranges] in _ranges.
                 return self._hook(state, bucket)
+        if index == 0:
+            # The hooks are about to step the shards: agree first (hyper-parameters, the call
+            # itself), so a step one rank refuses moves no param on any rank (shardkit-optim's
+            # [Note: Call agreement]). The loop's zero.step() agrees once more, cheaply.
+            self.zero.check_step()
         with phase("reduce", index):
             if self.config.reduce_to_owner:
                 fut = self._reduce_to_owners(bucket)  # See [Note: Reduce to owner].
@@ -345,7 +351,7 @@ class ZeroOverlap:
         if self._deferred:
             # See [Note: Unused parameters].
             if index == 0:
-                _queue_backward_callback(self._queue_deferred_step)
+                queue_end_of_backward(self._queue_deferred_step)
             return fut
         self._pending.append((index, bucket.parameters(), fut))
         last = bucket.is_last()
@@ -359,7 +365,7 @@ class ZeroOverlap:
             return fut
         self._next_index = 0
         self._stepped = True
-        self.zero._mark_stepped()
+        self._driver.mark_stepped()
         works, self._works = self._works, []
         if not works:
             return fut
@@ -383,7 +389,7 @@ class ZeroOverlap:
     def _start_iteration(self) -> None:
         self._drain()
         self._stepped = False
-        layout = self.zero._layout
+        layout = self.zero.shard_layout
         if layout is not self._layout:
             self._layout = layout
             self._owner = {id(p): o for p, o in zip(layout.params, layout.owner, strict=True)}
@@ -469,17 +475,17 @@ class ZeroOverlap:
                         p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                     offset += n
                 with phase("local_step", index):
-                    self.zero._step_local([p for p, _ in saved])
+                    self.zero.step_local([p for p, _ in saved])
             finally:
                 for p, g0 in saved:
                     p.grad = g0
         # One broadcast per (bucket, owner) run of the flat buffers; see [Note: Gloo-safe
         # scheduling].
         with phase("sync", index):
-            self._works.extend(self.zero._sync_params(params, async_op=True))
+            self._works.extend(self.zero.sync_params(params, async_op=True))
 
     def _queue_deferred_step(self) -> None:
-        _queue_backward_callback(self._deferred_step)
+        queue_end_of_backward(self._deferred_step)
 
     # [Note: Unused parameters]
     # With find_unused_parameters=True a param may get no gradient in an iteration; plain DDP
@@ -492,9 +498,52 @@ class ZeroOverlap:
     # the overlap is lost for such models (reductions still overlap backward as usual).
     def _deferred_step(self) -> None:
         with phase("local_step"):
-            self.zero._step_local()
+            self.zero.step_local()
         with phase("sync"):
-            self.zero._sync_params()
+            self.zero.sync_params()
         self._next_index = 0
         self._stepped = True
-        self.zero._mark_stepped()
+        self._driver.mark_stepped()
+
+
+class _HookDriver(StepDriver):
+    """How the hook drives ``zero.step()`` (shardkit-optim's [Note: Step drivers]).
+
+    The hooks step the shard inside backward; the training loop keeps its ``zero.step()`` (so
+    LR schedulers and GradScaler see a step), which consumes the mark the last bucket left and
+    runs the per-step agreement, so the update is never applied twice. Without a mark it raises
+    on every rank: the gradients were not reduced (only ``no_sync()`` backwards ran) or the
+    update was already consumed. A closure would run another backward, i.e. another hook step,
+    so it is refused.
+    """
+
+    def __init__(self, hook: ZeroOverlap, name: str) -> None:
+        self.name = name
+        self._hook = weakref.ref(hook)
+        self._marked = False
+
+    def mark_stepped(self) -> None:
+        """The hooks stepped every param of this backward."""
+        self._marked = True
+
+    def step(self, closure: Any = None, **kwargs: Any) -> None:
+        hook = self._hook()
+        rank = hook.zero.rank if hook is not None else -1
+        error = None
+        if closure is not None:
+            error = (
+                f"ShardedOptimizer.step(closure) while {self.name} steps this optimizer from "
+                f"its comm hook: the closure's backward would step it a second time. Run the "
+                f"forward/backward in the loop and call step() without a closure."
+            )
+        elif not self._marked:
+            error = (
+                f"ShardedOptimizer.step(): {self.name} steps this optimizer from DDP's comm "
+                f"hook, and no backward pass with gradient synchronisation ran on rank {rank} "
+                f"since the last step (under ddp.no_sync() the comm hooks do not run, and each "
+                f"backward's update is consumed by one step() call). Run a synchronised "
+                f"backward first."
+            )
+        if hook is not None:
+            hook.zero.check_step(error)
+        self._marked = False

@@ -51,7 +51,7 @@ def _planned_partition(
     that shardkit-optim lays its flat broadcast buffers out by DDP bucket: syncing one bucket is
     then one broadcast per owner. See [Note: Bucket-aligned ownership].
     """
-    layout = zero._layout
+    layout = zero.shard_layout
     index = {id(p): i for i, p in enumerate(layout.params)}
     named = _ddp_params(ddp)
     cap = int(ddp.bucket_bytes_cap)
@@ -66,7 +66,9 @@ def _planned_partition(
     return owners, tuple(i for b in buckets for i in b)
 
 
-def _apply_partition(zero: ShardedOptimizer, partition: tuple[Sequence[int], Sequence[int]]) -> None:
+def _apply_partition(
+    zero: ShardedOptimizer, partition: tuple[Sequence[int], Sequence[int]]
+) -> None:
     """Imposes the planned owners and sync order on ``zero`` (moving any state). Collective."""
     owners, order = partition
     zero.set_partition(list(owners), sync_order=list(order))

@@ -12,26 +12,20 @@ step shows shardkit-optim's ranges.
 
 The ranges sit on the comm hook's per-bucket path, and a range costs ~1-10 us to open even
 when nobody profiles, so they are opened only while a profiler runs in this process
-(``profiling()`` in ``_torch_compat``), as shardkit-rpc does.
+(``shardkit.optim.profiler_range``, shardkit-optim's [Note: Ranges only while profiling]), as
+shardkit-rpc does.
 """
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import AbstractContextManager
 from typing import Any
 
-import torch
-from shardkit.overlap._torch_compat import profiling
+from shardkit.optim import profiler_range
 
 __all__: list[str] = []
-
-_NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def phase(name: str, index: int | None = None) -> AbstractContextManager[Any]:
     """``record_function("shardkit.overlap.<name>[<index>]")`` while a profiler runs, else a no-op."""
-    if not profiling():
-        return _NO_RANGE
-    full = f"shardkit.overlap.{name}" if index is None else f"shardkit.overlap.{name}[{index}]"
-    return torch.profiler.record_function(full)
+    return profiler_range(f"shardkit.overlap.{name}", index)

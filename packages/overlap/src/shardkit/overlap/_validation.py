@@ -8,9 +8,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer
-from shardkit.optim._agreement import _describe_difference, hyperparam_digest
-from shardkit.optim._state import _hyperparams
+from shardkit.optim import (
+    ShardedOptimizer,
+    agree_outcome,
+    describe_difference,
+    hyperparam_digest,
+    hyperparams,
+)
 from shardkit.partition import all_gather_objects
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -117,10 +121,8 @@ def _check_groups(ddp: DistributedDataParallel, zero: ShardedOptimizer) -> None:
         )
 
 
-def _check_params(
-    ddp_named: list[tuple[str, torch.nn.Parameter]], zero: ShardedOptimizer
-) -> None:
-    zero_params = list(zero._layout.params)
+def _check_params(ddp_named: list[tuple[str, torch.nn.Parameter]], zero: ShardedOptimizer) -> None:
+    zero_params = list(zero.shard_layout.params)
     in_zero = {id(p) for p in zero_params}
     missing = [name for name, p in ddp_named if id(p) not in in_zero]
     if missing:
@@ -130,9 +132,7 @@ def _check_params(
             f"ddp.parameters() (or every trainable param of ddp.module)."
         )
     in_ddp = {id(p) for _, p in ddp_named}
-    extra = [
-        i for i, p in enumerate(zero_params) if p.requires_grad and id(p) not in in_ddp
-    ]
+    extra = [i for i, p in enumerate(zero_params) if p.requires_grad and id(p) not in in_ddp]
     if extra:
         shapes = [tuple(zero_params[i].shape) for i in extra[:5]]
         raise ValueError(
@@ -143,8 +143,13 @@ def _check_params(
 
 
 def _registration_signature(
-    zero: ShardedOptimizer, ddp: DistributedDataParallel, hook: Callable[..., Any],
-    interleaved: bool, shard_buckets: bool, loop_step: bool, reduce_to_owner: bool,
+    zero: ShardedOptimizer,
+    ddp: DistributedDataParallel,
+    hook: Callable[..., Any],
+    interleaved: bool,
+    shard_buckets: bool,
+    loop_step: bool,
+    reduce_to_owner: bool,
 ) -> tuple[Any, ...]:
     """What this rank registers; every rank must register the same."""
     return (
@@ -157,7 +162,7 @@ def _registration_signature(
         bool(ddp.static_graph),
         bool(ddp.gradient_as_bucket_view),
         hashlib.sha1(
-            repr([(tuple(p.shape), str(p.dtype)) for p in zero._layout.params]).encode()
+            repr([(tuple(p.shape), str(p.dtype)) for p in zero.shard_layout.params]).encode()
         ).hexdigest(),
     )
 
@@ -176,13 +181,6 @@ def _registration_signature(
 # argument has the right type); with no default group either, the error is raised locally.
 # ``register_zero_overlap`` agrees once more, the same way, on the result of
 # ``ddp.register_comm_hook``.
-_ERROR_TYPES: dict[str, type[Exception]] = {
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "RuntimeError": RuntimeError,
-}
-
-
 def _agreement_group(ddp: Any, zero: Any) -> dist.ProcessGroup | None:
     """The group the registration agrees over. See [Note: Registration agreement]."""
     if isinstance(zero, ShardedOptimizer):
@@ -193,25 +191,6 @@ def _agreement_group(ddp: Any, zero: Any) -> dist.ProcessGroup | None:
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
-
-
-def _error_info(error: Exception | None) -> tuple[str, str] | None:
-    return None if error is None else (type(error).__name__, str(error))
-
-
-def _raise_first_error(
-    infos: list[tuple[str, str] | None], error: Exception | None, what: str
-) -> None:
-    """Raises, on every rank, the error of the first rank that had one (if any)."""
-    failed = [(r, info) for r, info in enumerate(infos) if info is not None]
-    if not failed:
-        return
-    rank, (kind, message) = failed[0]
-    also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
-    raise _ERROR_TYPES.get(kind, RuntimeError)(
-        f"{what} failed on rank {rank} of {len(infos)}{also}, so it is refused on every "
-        f"rank: {kind}: {message}"
-    ) from error
 
 
 def _agree_registration(
@@ -229,25 +208,20 @@ def _agree_registration(
     digest = None
     if error is None and zero is not None:
         digest = hyperparam_digest(zero.param_groups)
-    gathered = all_gather_objects((_error_info(error), signature, digest), group)
-    _raise_first_error([g[0] for g in gathered], error, "the overlap registration")
-    if any(g[1] != gathered[0][1] for g in gathered):
-        detail = ", ".join(f"rank {r}: {g[1]!r}" for r, g in enumerate(gathered))
+    agree_outcome(error, group, "the overlap registration")
+    gathered = all_gather_objects((signature, digest), group)
+    if any(g[0] != gathered[0][0] for g in gathered):
+        detail = ", ".join(f"rank {r}: {g[0]!r}" for r, g in enumerate(gathered))
         raise ValueError(
             f"ranks disagree on the overlap registration (interleaved, shard_buckets, loop step "
             f"(scaler/clipping), reduce_to_owner, hook, "
             f"find_unused_parameters, static_graph, gradient_as_bucket_view, params hash): "
             f"{detail}. Every rank must register the same hook on the same model."
         )
-    if zero is not None and any(g[2] != gathered[0][2] for g in gathered):
-        groups = all_gather_objects([_hyperparams(g) for g in zero.param_groups], group)
+    if zero is not None and any(g[1] != gathered[0][1] for g in gathered):
+        groups = all_gather_objects([hyperparams(g) for g in zero.param_groups], group)
         raise ValueError(
             f"ranks disagree on the optimizer's hyper-parameters at overlap registration: "
-            f"{_describe_difference(groups)}. Every rank must step with the same values; set "
+            f"{describe_difference(groups)}. Every rank must step with the same values; set "
             f"them alike on every rank before registering."
         )
-
-
-def _agree_outcome(error: Exception | None, group: dist.ProcessGroup, what: str) -> None:
-    """Raises on every rank if ``what`` failed on any (one all-gather)."""
-    _raise_first_error(all_gather_objects(_error_info(error), group), error, what)

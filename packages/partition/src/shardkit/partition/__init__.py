@@ -1,4 +1,4 @@
-"""shardkit.partition: deterministic, balanced assignment of parameters (or flat fragments) to ranks.
+"""shardkit.partition: deterministic, balanced assignment of parameters to ranks.
 
 Example:
     >>> import torch
@@ -10,9 +10,8 @@ Example:
 """
 
 from shardkit.partition.__about__ import __version__
-from shardkit.partition._buckets import BucketPartition, buckets_from_sizes, shard_buckets
+from shardkit.partition._buckets import BucketPartition, shard_buckets
 from shardkit.partition._consistency import check_consistent
-from shardkit.partition._flat import FlatPartition, Fragment, flat_partition
 from shardkit.partition._objects import all_gather_objects, comm_device
 from shardkit.partition._partition import ALGORITHMS, Partition, partition
 from shardkit.partition._shapes import ShapeFile, available_shapes, load_shapes
@@ -21,18 +20,14 @@ from shardkit.partition._spec import ParamSpec, param_costs
 __all__ = [
     "ALGORITHMS",
     "BucketPartition",
-    "FlatPartition",
-    "Fragment",
     "ParamSpec",
     "Partition",
     "ShapeFile",
     "__version__",
     "all_gather_objects",
     "available_shapes",
-    "buckets_from_sizes",
     "check_consistent",
     "comm_device",
-    "flat_partition",
     "load_shapes",
     "param_costs",
     "partition",

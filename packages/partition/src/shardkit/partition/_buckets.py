@@ -19,7 +19,7 @@ from shardkit.partition._spec import (
     _default_costs,
 )
 
-__all__ = ["BucketPartition", "buckets_from_sizes", "shard_buckets"]
+__all__ = ["BucketPartition", "shard_buckets"]
 
 
 @dataclass(frozen=True)
@@ -107,24 +107,6 @@ class BucketPartition:
         return "\n".join(lines)
 
 
-def buckets_from_sizes(
-    bucket_sizes: Sequence[Sequence[float]],
-) -> tuple[tuple[tuple[int, ...], ...], tuple[float, ...]]:
-    """Turn buckets given as lists of parameter sizes into ``(buckets, costs)``.
-
-    Parameters are numbered consecutively across buckets, so
-    ``buckets, costs = buckets_from_sizes([[4, 4], [8]])`` then
-    ``shard_buckets(buckets, 2, costs=costs)`` works on sizes alone.
-    """
-    buckets: list[tuple[int, ...]] = []
-    costs: list[float] = []
-    for sizes in bucket_sizes:
-        start = len(costs)
-        costs.extend(sizes)
-        buckets.append(tuple(range(start, len(costs))))
-    return tuple(buckets), _check_costs(costs, len(costs), "buckets_from_sizes")
-
-
 def shard_buckets(
     buckets: Sequence[Sequence[int]],
     world_size: int,
@@ -156,8 +138,7 @@ def shard_buckets(
     if (costs is None) == (params is None):
         raise TypeError(
             "shard_buckets: pass exactly one of costs= (a cost per parameter index) or "
-            "params= (tensors / ParamSpec, costed by param_costs); use buckets_from_sizes() "
-            "for buckets given as sizes"
+            "params= (tensors / ParamSpec, costed by param_costs)"
         )
     if params is not None:
         cost_values = _default_costs(_as_specs(params, "shard_buckets"))

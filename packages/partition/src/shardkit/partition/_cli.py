@@ -8,15 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from shardkit.partition._flat import FlatPartition, flat_partition
 from shardkit.partition._format import _human, _table
 from shardkit.partition._partition import ALGORITHMS, Partition, partition
 from shardkit.partition._shapes import available_shapes, load_shapes
 from shardkit.partition._spec import param_costs
 
 __all__ = ["main"]
-
-_ALL = (*ALGORITHMS, "flat")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--algo",
         action="append",
-        help=f"algorithm, repeatable or comma-separated: {', '.join(_ALL)} or 'all' "
+        help=f"algorithm, repeatable or comma-separated: {', '.join(ALGORITHMS)} or 'all' "
         f"(default: sorted_greedy)",
     )
     plan.add_argument(
@@ -46,7 +43,6 @@ def _parser() -> argparse.ArgumentParser:
         "mixed-precision Adam); default: the parameter's own element size",
     )
     plan.add_argument("--freeze", default=None, help="regex: freeze parameters whose name matches")
-    plan.add_argument("--align", type=int, default=1, help="flat: shard alignment in elements")
     plan.add_argument(
         "--brief", action="store_true", help="only the comparison, no per-rank tables"
     )
@@ -62,10 +58,10 @@ def _algos(values: Sequence[str] | None) -> list[str]:
         for name in v.split(","):
             name = name.strip()
             if name == "all":
-                out.extend(a for a in _ALL if a not in out)
-            elif name not in _ALL:
+                out.extend(a for a in ALGORITHMS if a not in out)
+            elif name not in ALGORITHMS:
                 raise ValueError(
-                    f"unknown algorithm {name!r}; expected one of {', '.join(_ALL)}, all"
+                    f"unknown algorithm {name!r}; expected one of {', '.join(ALGORITHMS)}, all"
                 )
             elif name not in out:
                 out.append(name)
@@ -107,22 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in args.world:
         for algo in algos:
             t0 = time.perf_counter()
-            result: Partition | FlatPartition
-            loads: list[float]
-            if algo == "flat":
-                result = flat_partition(shapes.specs, w, align=args.align)
-                scale = (
-                    shapes.specs[0].element_size
-                    if args.bytes_per_element is None
-                    else args.bytes_per_element
-                )
-                loads = [float(x) * scale for x in result.loads]
-                # Elements can be split: the only floor is the mean of the real elements.
-                bound = result.numel * scale / w
-            else:
-                result = partition(shapes.specs, w, algorithm=algo, costs=costs)
-                loads = list(result.loads)
-                bound = result.lower_bound
+            result: Partition = partition(shapes.specs, w, algorithm=algo, costs=costs)
+            loads = list(result.loads)
+            bound = result.lower_bound
             ms = (time.perf_counter() - t0) * 1e3
             if not args.brief:
                 print()
@@ -161,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         print(
-            "lower bound = max(largest param, mean load) (flat: the mean): no plan's max load "
-            "is below it; max/bound <= 1.0000 means optimal"
+            "lower bound = max(largest param, mean load): no plan's max load is below it; "
+            "max/bound <= 1.0000 means optimal"
         )
     return 0

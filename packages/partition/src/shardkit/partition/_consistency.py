@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.partition._flat import FlatPartition
 from shardkit.partition._objects import all_gather_objects, comm_device
 from shardkit.partition._partition import Partition
 from shardkit.partition._spec import ParamSpec, _as_specs
@@ -32,13 +31,6 @@ def _fingerprint(obj: object) -> tuple[_Entry, list[_Entry]]:
         entries = [
             (*_entry(s), f"owned by rank {r}")
             for s, r in zip(obj.specs, obj.assignment, strict=True)
-        ]
-        return header, entries
-    if isinstance(obj, FlatPartition):
-        header = ("flat", obj.world_size, obj.align, obj.param_align, obj.padded_numel)
-        entries = [
-            (*_entry(s), f"flat offset {o}")
-            for s, o in zip(obj.specs, obj.param_offsets, strict=True)
         ]
         return header, entries
     specs = _as_specs(obj, "check_consistent")  # type: ignore[arg-type]
@@ -65,7 +57,7 @@ def _wait(work: Any, timeout: timedelta | None) -> None:
 
 
 def check_consistent(
-    params_or_partition: Iterable[torch.Tensor | ParamSpec] | Partition | FlatPartition,
+    params_or_partition: Iterable[torch.Tensor | ParamSpec] | Partition,
     group: ProcessGroup | None = None,
     *,
     timeout: timedelta | None = None,
@@ -74,9 +66,8 @@ def check_consistent(
 
     Collective: every rank of ``group`` must call it. Each rank fingerprints its input
     (parameter count, and per parameter in order: shape, dtype, trainability, plus the owning
-    rank for a :class:`Partition` or the flat offset for a :class:`FlatPartition`), the
-    32-byte digests are all-gathered, and only if they differ are the full fingerprints
-    gathered to explain the difference.
+    rank for a :class:`Partition`), the 32-byte digests are all-gathered, and only if they
+    differ are the full fingerprints gathered to explain the difference.
 
     # [Note: Raise everywhere]
     # Every rank takes part in the same collectives whatever its input: a rank whose input is
@@ -87,7 +78,7 @@ def check_consistent(
 
     Args:
         params_or_partition: Tensors / :class:`ParamSpec` in this rank's order, or a
-            :class:`Partition` / :class:`FlatPartition` computed on this rank.
+            :class:`Partition` computed on this rank.
         group: Process group (default: the default group).
         timeout: Give up waiting for the other ranks after this long (e.g. a rank never
             calls ``check_consistent``); default: the group's own timeout.
@@ -106,7 +97,7 @@ def check_consistent(
     entries: list[_Entry] = []
     try:
         header, entries = _fingerprint(params_or_partition)
-        if isinstance(params_or_partition, (Partition, FlatPartition)):
+        if isinstance(params_or_partition, Partition):
             size = dist.get_world_size(group)
             if params_or_partition.world_size != size:
                 header = (*header, f"world_size {params_or_partition.world_size} != group size {size}")

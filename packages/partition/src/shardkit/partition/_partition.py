@@ -28,7 +28,7 @@ _IMPLS: dict[str, _Algorithm] = {
 }
 
 ALGORITHMS: tuple[str, ...] = tuple(_IMPLS)
-"""Names accepted by :func:`partition`'s ``algorithm`` (``flat`` is :func:`flat_partition`)."""
+"""Names accepted by :func:`partition`'s ``algorithm``."""
 
 
 @dataclass(frozen=True)
@@ -219,14 +219,9 @@ def partition(
     """
     world_size = _check_world_size(world_size, "partition")
     if not isinstance(algorithm, str) or algorithm not in _IMPLS:
-        hint = (
-            "; for element-level chunks call flat_partition(params, world_size)"
-            if algorithm == "flat"
-            else ""
-        )
         raise ValueError(
             f"partition: unknown algorithm {algorithm!r}; expected one of "
-            f"{', '.join(map(repr, ALGORITHMS))}{hint}"
+            f"{', '.join(map(repr, ALGORITHMS))}"
         )
     specs = _as_specs(params, "partition")
     if costs is None:
@@ -237,7 +232,7 @@ def partition(
         unit = unit or "cost"
     groups = _check_group_sizes(group_sizes, len(specs))
     assignment = _IMPLS[algorithm](cost_values, world_size, groups)
-    loads = _algorithms._loads(cost_values, assignment, world_size)
+    loads = _algorithms._loads(cost_values, assignment, world_size)  # noqa: SLF001 (same distribution)
     return Partition(
         algorithm=algorithm,
         world_size=world_size,

@@ -14,10 +14,9 @@ import torch
 import torch.distributed.rpc as rpc
 from shardkit.rpc._errors import RemoteOptimizerError
 from shardkit.rpc._keys import param_key, remap_key, split_param_key
+from shardkit.rpc._local_optimizer import GroupSpec, Updates
 from shardkit.rpc._logging import log_once
 from shardkit.rpc._owner import (
-    GroupSpec,
-    Updates,
     _remote_load,
     _remote_new,
     _remote_state,

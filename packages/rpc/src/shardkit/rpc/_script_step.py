@@ -1,6 +1,7 @@
 """The TorchScript entry point for ``DistributedOptimizer.step`` requests.
 
-It is compiled on import, on the trainer and on every owner (``_remote_new`` imports it there);
+It is compiled on import, on the trainer and on every owner (:mod:`shardkit.rpc._owner`, whose
+``_remote_new`` builds an owner's optimizer, imports it there);
 ``script_step`` is ``None`` where TorchScript is unavailable, and steps then take the Python RPC
 entry points of :mod:`shardkit.rpc._owner`. See [Note: Step requests].
 """
@@ -11,8 +12,8 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from shardkit.rpc._local_optimizer import step_and_wait
 from shardkit.rpc._logging import logger
-from shardkit.rpc._owner import step_and_wait
 
 __all__ = ["script_step"]
 

@@ -158,8 +158,8 @@ def world(
             )
             _conclude(report, spec)
 
-        wrapper._shardkit_body = fn  # type: ignore[attr-defined]
-        wrapper._shardkit_world = spec  # type: ignore[attr-defined]
+        wrapper._shardkit_body = fn  # type: ignore[attr-defined]  # noqa: SLF001
+        wrapper._shardkit_world = spec  # type: ignore[attr-defined]  # noqa: SLF001
         marks = [pytest.mark.nccl] if backend == "nccl" else []
         decorated: Any = wrapper
         for mark in marks:

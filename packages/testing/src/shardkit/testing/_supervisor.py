@@ -145,7 +145,7 @@ class Reaper:
             # The reaper exited: it reaped every rank first, or it was killed and the ranks died
             # with it (PR_SET_PDEATHSIG). Exit codes not reported are unknown.
             for proc in self.ranks.values():
-                proc._set_exited(None)
+                proc._set_exited(None)  # noqa: SLF001 (same distribution)
             self._gone.set()
 
     def _handle(self, message: dict[str, Any]) -> None:
@@ -154,7 +154,7 @@ class Reaper:
         if event == "started" and proc is not None:
             proc.pid = int(message["pid"])
         elif event == "exited" and proc is not None:
-            proc._set_exited(message.get("code"))
+            proc._set_exited(message.get("code"))  # noqa: SLF001 (same distribution)
         elif event == "fallback":
             _log_fallback_once(str(message.get("feature")), str(message.get("detail")))
         elif event == "error":
@@ -183,4 +183,4 @@ class Reaper:
             with contextlib.suppress(OSError):
                 self._proc.stdout.close()
         for proc in self.ranks.values():
-            proc._set_exited(proc.returncode)
+            proc._set_exited(proc.returncode)  # noqa: SLF001 (same distribution)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from multiprocessing.connection import Client, Connection
 from types import ModuleType
 from typing import Any
@@ -86,7 +87,11 @@ def _run(job: RunJob, rank: int) -> JobResult:
     try:
         kwargs = pickle.loads(job.kwargs_blob)
         body = _resolve(_load_module(job.path), job.qualname)
-        body(**kwargs)
+        # A job's warnings filters (torch's Join.__exit__ calls warnings.simplefilter("once"))
+        # must not outlive it on a reused rank: they would shadow the PYTHONWARNINGS rules of
+        # every later job.
+        with warnings.catch_warnings():
+            body(**kwargs)
     except BaseException as exc:
         if isinstance(exc, pytest.skip.Exception):
             outcome, detail = "skipped", str(getattr(exc, "msg", exc))

@@ -1,0 +1,81 @@
+"""``copy.deepcopy`` of a module wrapped by ``ShardedDataParallel`` gives a plain module.
+
+[Note: Plain deepcopy]
+The wrapper registers hooks on the user's module: a forward pre-hook on every submodule that
+holds bucketed params (it waits for that submodule's deferred param gathers, [Note: Deferred
+param gather]) and a state-dict pre-hook on the root. Those hooks refer to the wrapper, which
+holds a process group, so a plain deepcopy of the module (EMA and eval copies; fairscale's
+parity suite) would try to copy the wrapper and fail (``cannot pickle ProcessGroup``); torch
+DDP registers nothing on the module and its module deep-copies cleanly. So:
+
+- every such hook is registered wrapped in :class:`_Hook`, which marks it as the wrapper's;
+- every module that carries one gets a ``__deepcopy__`` *instance* attribute
+  (:class:`_PlainCopy`; ``copy.deepcopy`` looks ``__deepcopy__`` up on the object, and
+  ``nn.Module`` defines none), which first waits for every deferred param gather (so the copy
+  sees finished params), then copies the module the way ``copy.deepcopy`` would without it
+  (``__getstate__``, a new instance of the same class, ``__setstate__`` with the deep-copied
+  state), leaving out its own entry and every ``_Hook`` of its hook dicts.
+
+The params themselves copy as ``nn.Parameter.__deepcopy__`` does: a clone of the param's own
+view of the flat buffer (its numel, not the bucket), without ``.grad`` and without the
+wrapper's tensor hooks. Deep-copying a submodule alone works the same way. The copy shares
+nothing with the original: it trains with a plain optimizer and the original keeps its hooks.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+from torch import nn
+
+__all__: list[str] = []
+
+
+class _Hook:
+    """A module hook of ``ShardedDataParallel``: left out of deep copies."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class _PlainCopy:
+    """``__deepcopy__`` of one module that carries ``_Hook`` s; see [Note: Plain deepcopy]."""
+
+    __slots__ = ("_module", "_wait")
+
+    def __init__(self, module: nn.Module, wait: Callable[[], None]) -> None:
+        self._module = weakref.ref(module)
+        self._wait = wait
+
+    def __call__(self, memo: dict[int, Any]) -> nn.Module:
+        module = self._module()
+        if module is None:  # pragma: no cover - only reachable through the module itself
+            raise RuntimeError("the module of this __deepcopy__ no longer exists")
+        self._wait()
+        state = dict(cast(Any, module).__getstate__())
+        state.pop("__deepcopy__", None)
+        for key, value in state.items():
+            if isinstance(value, dict) and any(isinstance(h, _Hook) for h in value.values()):
+                state[key] = type(value)(
+                    (k, h) for k, h in value.items() if not isinstance(h, _Hook)
+                )
+        cls = type(module)
+        out = cls.__new__(cls)
+        memo[id(module)] = out
+        cast(Any, out).__setstate__(copy.deepcopy(state, memo))
+        return out
+
+
+def make_deepcopy_plain(module: nn.Module, wait: Callable[[], None]) -> None:
+    """Installs :class:`_PlainCopy` on ``module`` (unless its class defines ``__deepcopy__``)."""
+    if getattr(type(module), "__deepcopy__", None) is not None:
+        return
+    object.__setattr__(module, "__deepcopy__", _PlainCopy(module, wait))

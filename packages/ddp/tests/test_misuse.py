@@ -1,0 +1,141 @@
+"""Misuse fails cleanly on every rank (issue 29): a clear error naming the calls the ranks
+disagreed on, within ``collective_timeout``, no process killed, nothing moved."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.ddp import ShardedDataParallel
+from shardkit.optim import ShardedOptimizer
+from shardkit.testing import world
+from torch import nn
+
+TIMEOUT_S = 10.0  # well above a loaded machine's agreement latency
+
+
+def _mlp(extra_buffer: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8, track_running_stats=extra_buffer)
+    return nn.Sequential(nn.Linear(4, 8), norm, nn.Tanh(), nn.Linear(8, 2))
+
+
+def _wrapped(**kw: object) -> tuple[nn.Module, ShardedOptimizer, ShardedDataParallel]:
+    m = _mlp()
+    opt = ShardedOptimizer(
+        m.parameters(), optim=torch.optim.Adam, lr=1e-2, collective_timeout=TIMEOUT_S
+    )
+    return m, opt, ShardedDataParallel(m, opt, reduce_buffer_size=64, **kw)  # type: ignore[arg-type]
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return model(torch.randn(6, 4, generator=g)).square().mean()
+
+
+def _snapshot(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _unchanged(before: list[torch.Tensor], m: nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
+@world(2)
+def test_a_buffer_on_one_rank_only_is_refused_at_construction_naming_it() -> None:
+    m = _mlp(extra_buffer=dist.get_rank() == 1)  # rank 1: BatchNorm running stats
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"First difference.*buffer '1\.running_mean'"):
+        ShardedDataParallel(m, opt)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank raised, nobody was killed, the group still works
+    assert t.item() == 2
+
+
+@world(2)
+def test_a_param_of_another_shape_is_refused_at_construction_naming_it() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2 + dist.get_rank()))
+    with pytest.raises(ValueError):  # check_consistent (the optimizer's own check) or ours
+        opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+        ShardedDataParallel(m, opt)
+
+
+@world(2, timeout=120)
+def test_one_rank_without_backward_raises_on_every_rank() -> None:
+    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    _loss(sdp, 0).backward()
+    opt.step()
+    before = _snapshot(m)
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match=r"different collective calls.*backward.*step"):
+            _loss(sdp, 1).backward()
+    else:
+        _loss(sdp, 1)  # forward only: no backward on this rank
+        with pytest.raises(RuntimeError, match=r"different collective calls.*backward.*step"):
+            opt.step()
+    assert time.monotonic() - start < 40
+    assert _unchanged(before, m)
+
+
+@world(2, timeout=120)
+def test_no_sync_on_one_rank_raises_on_every_rank() -> None:
+    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    before = _snapshot(m)
+    if dist.get_rank() == 0:
+        with sdp.no_sync():
+            _loss(sdp, 0).backward()
+    with pytest.raises(RuntimeError, match=r"no_sync\(\)"):
+        _loss(sdp, 1).backward()  # rank 0: after one no_sync() backward; rank 1: none
+    assert _unchanged(before, m)
+
+
+@world(2, timeout=120)
+def test_state_dict_on_one_rank_while_the_other_trains_raises_on_both() -> None:
+    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    _loss(sdp, 0).backward()
+    opt.step()
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match=r"different collective calls|waited"):
+            opt.state_dict(all_ranks=True)
+    else:
+        with pytest.raises(RuntimeError, match=r"different collective calls|waited"):
+            _loss(sdp, 1).backward()
+    assert time.monotonic() - start < 40
+
+
+@world(2, timeout=120)
+def test_optimizer_state_dict_on_one_rank_alone_raises_within_the_timeout() -> None:
+    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    _loss(sdp, 0).backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"optimizer_state_dict\(\) and waited"):
+            sdp.optimizer_state_dict()
+        assert time.monotonic() - start < 40
+    else:
+        time.sleep(TIMEOUT_S + 1)
+        with pytest.raises(RuntimeError, match=r"different collective calls"):
+            opt.step()  # its next collective call learns of it
+
+
+@world(2, timeout=120)
+def test_a_per_rank_learning_rate_is_refused_before_anything_moves() -> None:
+    """(ZeRO-1 and the overlap hook: shardkit-overlap's tests/test_errors.py.)"""
+    m = _mlp()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    model = ShardedDataParallel(m, opt, broadcast_buffers=False)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    _loss(model, 1).backward()
+    before = _snapshot(m)
+    opt.param_groups[0]["lr"] = 0.1 * (1 + dist.get_rank())  # a per-rank schedule
+    with pytest.raises(ValueError, match="different hyper-parameters"):
+        opt.step()
+    assert _unchanged(before, m)

@@ -1,0 +1,371 @@
+"""Checkpoints are data (issue 30) and the commit record is required (issue 26, item 8).
+
+- shardkit's records are JSON; a format-1 checkpoint (pickled records) loads only with
+  ``allow_pickle=True`` and re-saves in format 2 with bit-for-bit the same state;
+- a hostile checkpoint (the normal writer plus one object whose ``__reduce__`` runs
+  ``os.system``, in the header, the metadata, a payload) raises and the command never runs;
+- DCP's ``.metadata`` goes through the allow-list unpickler, which ``SafeFileSystemReader``
+  offers to plain ``torch.distributed.checkpoint.load`` users;
+- a checkpoint whose commit record is missing, empty or unreadable is refused on every rank;
+  the opt-in still verifies every payload of a format-2 checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _optim_testkit import assert_state_equal
+from shardkit.optim import (
+    SafeFileSystemReader,
+    ShardedOptimizer,
+    UnsafeCheckpointError,
+    load_consolidated,
+    load_sharded,
+    save_sharded,
+)
+from shardkit.testing import world
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+_HERE = Path(__file__).resolve().parent
+_V1 = _HERE / "data" / "v1"
+
+
+class _Evil:
+    """Unpickling it runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _version(path: Path) -> Path:
+    return path / (path / "LATEST").read_text().strip()
+
+
+def _save_v2(path: Path, steps: int = 2) -> None:
+    """A world-1 format-2 checkpoint of the reliability tests' model (a subprocess)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    store = path.parent / f"store-{uuid.uuid4().hex}"
+    res = subprocess.run(
+        [sys.executable, str(_HERE / "_crash_save.py"), str(path), str(steps), "none", str(store)],
+        env=env, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("safety")
+    _save_v2(root / "ckpt")
+    return root / "ckpt"
+
+
+def _write_v1(path: Path, extra: dict[str, Any] | None = None) -> None:
+    """The format-1 writer of shardkit-optim <= 0.1.8 (one process): pickled header and
+    param_groups, checksums in the commit record. ``extra`` goes into the pickled header."""
+    from shardkit.optim._commit import Staging, checksum
+
+    token = uuid.uuid4().hex
+    staging = Staging(path, token)
+    header: dict[str, Any] = {"format": "shardkit.optim.sharded/1", "num_params": 1}
+    header.update({"world_size": 1, "token": token, **(extra or {})})
+    sd: dict[str, Any] = {
+        "param_groups": pickle.dumps([{"lr": 0.1, "momentum": 0.9, "params": [0]}]),
+        "shardkit_optim": pickle.dumps(header),
+        "state/0/momentum_buffer": torch.arange(3.0),
+    }
+    staging.prepare()
+    dcp.save(sd, checkpoint_id=str(staging.stage), no_dist=True)
+    record = {
+        k: v for k, v in header.items() if k in ("format", "num_params", "world_size", "token")
+    }
+    record["param_shapes"] = [[3]]
+    record["checksums"] = {k: checksum(v) for k, v in sd.items()}
+    staging.commit(record)
+
+
+# ---------------------------------------------------------------- hostile checkpoints
+
+
+def test_hostile_header_never_runs(tmp_path: Path) -> None:
+    """Normal writer + one object in the header whose __reduce__ calls os.system."""
+    marker = tmp_path / "pwned"
+    path = tmp_path / "ckpt"
+    _write_v1(path, {"payload": _Evil(marker)})
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"format shardkit\.optim\.sharded/1.*allow_pickle"
+    ):
+        load_consolidated(path)
+    # the commit record edited to claim format 2: the pickled items are refused
+    record = _version(path) / "SHARDKIT_COMMIT"
+    record.write_text(record.read_text().replace("sharded/1", "sharded/2"))
+    with pytest.raises(UnsafeCheckpointError, match=r"pickled object|is missing"):
+        load_consolidated(path)
+    # and with the commit record gone and opted out of, the format is still read as 1
+    record.write_bytes(b"")
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle"):
+        load_consolidated(path, allow_missing_commit_record=True)
+    assert not marker.exists()
+
+
+def test_hostile_metadata_and_payload_never_run(v2: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "ckpt"
+    shutil.copytree(v2, path)
+    meta = _version(path) / ".metadata"
+    good = meta.read_bytes()
+    meta.write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"global posix\.system is not allowed"):
+        load_consolidated(path)
+    # the evil object nested deep inside otherwise valid metadata
+    md = pickle.loads(good)
+    md.planner_data = {"x": _Evil(marker)}
+    meta.write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeCheckpointError, match="is not allowed"):
+        load_consolidated(path)
+    assert not marker.exists()
+
+
+def test_safe_reader_for_plain_dcp_users(tmp_path: Path) -> None:
+    """SafeFileSystemReader with torch.distributed.checkpoint.load: plain values load, a
+    pickled object outside torch's weights-only allow-list raises, its code never runs."""
+    state = {"w": torch.randn(3, 2), "step": 7, "cfg": {"lr": 0.5, "name": "x"}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    out = {"w": torch.empty(3, 2), "step": 0, "cfg": {"lr": 0.0, "name": ""}}
+    dcp.load(out, storage_reader=SafeFileSystemReader(tmp_path / "ok"), no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 7 and out["cfg"] == state["cfg"]
+    marker = tmp_path / "pwned"
+    dcp.save(
+        {"w": torch.randn(2), "evil": _Evil(marker)},
+        checkpoint_id=str(tmp_path / "bad"),
+        no_dist=True,
+    )
+    with pytest.raises(CheckpointException) as info:  # DCP's wrapper (a BaseException)
+        dcp.load(
+            {"w": torch.empty(2), "evil": None},
+            storage_reader=SafeFileSystemReader(tmp_path / "bad"),
+            no_dist=True,
+        )
+    assert "UnsafeCheckpointError: checkpoint item 'evil'" in str(info.getrepr())
+    assert not marker.exists()
+
+
+def test_metadata_pin(v2: Path) -> None:
+    """Pins the allow-list unpickler on real DCP metadata of this torch (see [Note: Allow-list
+    unpickling]): it reads back equal to what pickle reads, through every protocol >= 2."""
+    from shardkit.optim._unpickle import restricted_loads
+
+    for version in (_version(v2), _version(_V1 / "ckpt")):
+        data = (version / ".metadata").read_bytes()
+        want = pickle.loads(data)
+        assert restricted_loads(data, "metadata") == want
+        for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
+            assert restricted_loads(pickle.dumps(want, protocol=proto), "m") == want
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [
+        (b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00X\xff\xff\xff\x7fabc.", "truncated"),
+        (b"\x80\x04K\x01r\xff\xff\xff\xff.", None),  # a huge memo index: a dict, not an array
+        (b"\x80\x04cos\nsystem\n.", r"global os\.system"),
+        (b"(S'x'\nio\ns.", "opcode"),  # INST
+        (b"\x80\x04P0\n.", "opcode"),  # PERSID
+        (b"\x80\x04]K\x01a\x8c\x08builtins\x8c\x04eval\x93.", r"builtins\.eval"),
+    ],
+)
+def test_unpickler_refuses(blob: bytes, message: str | None) -> None:
+    from shardkit.optim._unpickle import UnsafePickleError, restricted_loads
+
+    if message is None:
+        assert restricted_loads(blob, "m") == 1
+        return
+    with pytest.raises(UnsafePickleError, match=message):
+        restricted_loads(blob, "m")
+
+
+# ---------------------------------------------------------------- format 1 -> 2
+
+
+def _v1_model() -> tuple[nn.Module, ShardedOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    ps = list(model.parameters())
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}]
+    return model, ShardedOptimizer(groups, optim=torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
+
+
+def test_format_1_loads_only_with_the_opt_in(tmp_path: Path) -> None:
+    """The checkpoint in tests/data/v1 was written by save_sharded of shardkit-optim 0.1.8 (format 1)."""
+    want = torch.load(_V1 / "expected.pt", weights_only=True)
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        load_consolidated(_V1 / "ckpt")
+    got = load_consolidated(_V1 / "ckpt", allow_pickle=True)
+    assert_state_equal(want, got)
+    assert got["param_groups"][0]["betas"] == (0.8, 0.99)
+
+
+def test_a_0_1_checkpoint_needs_both_opt_ins(tmp_path: Path) -> None:
+    """shardkit-optim 0.1's layout: files and an empty commit record directly in the path,
+    pickled records. It loads only with both opt-ins (and then unverified, as documented)."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(_version(_V1 / "ckpt"), legacy)
+    (legacy / "SHARDKIT_COMMIT").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"commit record\) is empty.*allow_missing_commit_record"):
+        load_consolidated(legacy, allow_pickle=True)
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        load_consolidated(legacy, allow_missing_commit_record=True)
+    got = load_consolidated(legacy, allow_pickle=True, allow_missing_commit_record=True)
+    assert_state_equal(torch.load(_V1 / "expected.pt", weights_only=True), got)
+
+
+@world(2, timeout=120)
+def test_format_1_resaved_as_format_2_bit_for_bit(tmp_path: Path) -> None:
+    want = torch.load(_V1 / "expected.pt", weights_only=True)
+    _, opt = _v1_model()
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        load_sharded(opt, _V1 / "ckpt")  # on every rank
+    load_sharded(opt, _V1 / "ckpt", allow_pickle=True)
+    save_sharded(opt, tmp_path / "v2")
+    _, fresh = _v1_model()
+    load_sharded(fresh, tmp_path / "v2")
+    assert_state_equal(want, fresh.state_dict(all_ranks=True))
+    if dist.get_rank() == 0:
+        assert_state_equal(want, load_consolidated(tmp_path / "v2"))
+        md = pickle.loads((_version(tmp_path / "v2") / ".metadata").read_bytes())
+        kinds = {type(m).__name__ for m in md.state_dict_metadata.values()}
+        assert kinds == {"TensorStorageMetadata"}, kinds  # nothing pickled of ours
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- the commit record
+
+
+def _flip_payload_bit(version: Path, raw: bytes) -> None:
+    for f in sorted(version.glob("*.distcp")):
+        data = bytearray(f.read_bytes())
+        at = data.find(raw)
+        if at >= 0:
+            data[at + len(raw) // 2] ^= 0x01
+            f.write_bytes(bytes(data))
+            return
+    raise AssertionError("payload bytes not found")
+
+
+def _small() -> tuple[nn.Module, ShardedOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    return model, ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+
+
+@world(2, timeout=120)
+def test_emptied_commit_record_and_a_flipped_bit_raise_on_every_rank(tmp_path: Path) -> None:
+    model, opt = _small()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    path = tmp_path / "ckpt"
+    save_sharded(opt, path)
+    want = opt.state_dict(all_ranks=True)
+    version = _version(path)
+    if dist.get_rank() == 0:
+        (version / "SHARDKIT_COMMIT").write_bytes(b"")
+    dist.barrier()
+    # empty record, payloads intact: refused by default, loads with the opt-in
+    with pytest.raises(ValueError, match=r"commit record.*is empty"):
+        load_sharded(_small()[1], path)
+    ok = _small()[1]
+    load_sharded(ok, path, allow_missing_commit_record=True)
+    assert_state_equal(want, ok.state_dict(all_ranks=True))
+    # one bit flipped in a payload: refused either way (the header record's checksums)
+    if dist.get_rank() == 0:
+        _flip_payload_bit(version, want["state"][2]["exp_avg"].numpy().tobytes())
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"commit record.*is empty"):
+        load_sharded(_small()[1], path)
+    with pytest.raises(ValueError, match=r"'state/2/exp_avg'.*fails its checksum"):
+        load_sharded(_small()[1], path, allow_missing_commit_record=True)
+    # a deleted or garbled record
+    if dist.get_rank() == 0:
+        (version / "SHARDKIT_COMMIT").write_bytes(b"{not json")
+    dist.barrier()
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_sharded(_small()[1], path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (version / "SHARDKIT_COMMIT").unlink()
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match=r"no commit record.*allow_missing_commit_record"):
+        load_sharded(_small()[1], path)
+    dist.barrier()
+
+
+@world(1, timeout=120)
+def test_hostile_header_from_the_current_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_sharded itself, with its header item replaced by an object whose __reduce__ runs
+    os.system (the commit record and checksums are the writer's): refused with and without
+    every opt-in, and the command never runs."""
+    import shardkit.optim._checkpoint as ck
+
+    marker = tmp_path / "pwned"
+    real = ck._dcp_save
+
+    def evil_save(sd: dict[str, Any], **kw: Any) -> Any:
+        return real({**sd, "shardkit/header": _Evil(marker)}, **kw)
+
+    monkeypatch.setattr(ck, "_dcp_save", evil_save)
+    model, opt = _small()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save_sharded(opt, tmp_path / "ckpt")
+    for opts in ({}, {"allow_pickle": True, "allow_missing_commit_record": True}):
+        with pytest.raises(
+            UnsafeCheckpointError, match="'shardkit/header' is not a 1-D uint8 record"
+        ):
+            load_sharded(_small()[1], tmp_path / "ckpt", **opts)
+        with pytest.raises(
+            UnsafeCheckpointError, match="'shardkit/header' is not a 1-D uint8 record"
+        ):
+            load_consolidated(tmp_path / "ckpt", **opts)
+    assert not marker.exists()
+
+
+def test_cli_reads_a_format_1_checkpoint_only_with_allow_pickle(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "full.pt"
+
+    def cli(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "shardkit.optim", "consolidate", str(_V1 / "ckpt"), str(out),
+             *flags],
+            capture_output=True, text=True, timeout=120, check=False,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+
+    refused = cli()
+    assert refused.returncode == 2 and "allow_pickle" in refused.stderr, refused.stderr
+    assert not out.exists()
+    ok = cli("--allow-pickle")
+    assert ok.returncode == 0, ok.stderr
+    assert_state_equal(
+        torch.load(_V1 / "expected.pt", weights_only=True), torch.load(out, weights_only=True)
+    )
