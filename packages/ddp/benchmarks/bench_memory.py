@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from shardkit.testing import live_storages
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -50,17 +51,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _storages(extra: list[torch.Tensor]) -> dict[int, int]:
-    gc.collect()
-    out: dict[int, int] = {}
-    for obj in [*gc.get_objects(), *extra]:
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            st = obj.untyped_storage()
-            if st.nbytes():
-                out[st.data_ptr()] = st.nbytes()
-    return out
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -107,7 +97,7 @@ def _build(system: str) -> tuple[nn.Module, nn.Module, Any]:
 
 
 def _measure(system: str, rank: int) -> dict[str, float]:
-    before = set(_storages([]))
+    before = set(live_storages())
     run, model, opt = _build(system)
     dtype = next(model.parameters()).dtype
     x = torch.randn(8, _WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
@@ -116,7 +106,7 @@ def _measure(system: str, rank: int) -> dict[str, float]:
     del x
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
-    live = _storages([p.grad for p in params if p.grad is not None])
+    live = live_storages([p.grad for p in params])
     total = sum(v for k, v in live.items() if k not in before)
     out = {"bytes_per_param": total / n, "params": float(n)}
     if system.startswith("shardkit_zero2"):

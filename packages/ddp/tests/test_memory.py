@@ -7,31 +7,17 @@ inner-optimizer leftover of the wrapped ``ShardedOptimizer`` stays alive, and
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel
 from shardkit.optim import ShardedOptimizer
-from shardkit.testing import world
+from shardkit.testing import live_storages, world
 from torch import nn
 
 WIDTH = 256
 LAYERS = 4
 CAP_MB = 0.125
-
-
-def _storages(extra: list[torch.Tensor]) -> dict[int, int]:
-    """``storage data_ptr -> bytes`` of every live tensor (Python-visible, plus ``extra``)."""
-    gc.collect()
-    out: dict[int, int] = {}
-    for obj in [*gc.get_objects(), *extra]:
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
-            st = obj.untyped_storage()
-            if st.nbytes():
-                out[st.data_ptr()] = st.nbytes()
-    return out
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -42,7 +28,7 @@ def _model(dtype: torch.dtype) -> nn.Module:
 @pytest.mark.parametrize("master", [False, True])
 @world(2)
 def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) -> None:
-    before = set(_storages([]))
+    before = set(live_storages(device_type="cpu"))
     dtype = torch.bfloat16 if master else torch.float32
     model = _model(dtype)
     opt = ShardedOptimizer(
@@ -62,7 +48,7 @@ def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) ->
     params = list(model.parameters())
     live = {
         ptr: n
-        for ptr, n in _storages([p.grad for p in params if p.grad is not None]).items()
+        for ptr, n in live_storages([p.grad for p in params], device_type="cpu").items()
         if ptr not in before
     }
     held = sdp.memory_bytes()

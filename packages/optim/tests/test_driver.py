@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer, ShardLayout, ShardOwner, StepDriver
-from shardkit.testing import world
+from shardkit.testing import live_storages, world
 from torch import nn
 
 
@@ -56,15 +55,6 @@ class _RecordingOwner(ShardOwner):
         self.calls.append(("drop", None))
 
 
-def _storages() -> set[int]:
-    gc.collect()
-    return {
-        o.untyped_storage().data_ptr()
-        for o in gc.get_objects()
-        if issubclass(type(o), torch.Tensor) and o.untyped_storage().nbytes()
-    }
-
-
 def test_abstract_methods_are_the_contract() -> None:
     assert ShardOwner.__abstractmethods__ == {
         "step",
@@ -94,10 +84,10 @@ def test_a_shard_owner_gets_every_call_and_the_optimizer_frees_its_buffers() -> 
     # The ZeRO-1 flat buffers and the fp32 masters are alive before the hand-over ...
     for p in model.parameters():  # a ShardOwner re-points params into its own buffers
         p.data = p.data.clone()
-    before = _storages()
+    before = set(live_storages())
     owner = _RecordingOwner(opt)
     opt.attach_driver(owner)
-    after = _storages()
+    after = set(live_storages())
     assert len(before - after) >= 2, "the flat buffers and the masters should be freed"
     assert opt.driver is owner and not opt.optim.state
     # ... and every call reaches the owner.

@@ -15,6 +15,7 @@ from shardkit.testing._config import DEFAULT_TIMEOUT_S, MAX_WORLD_SIZE, WorldSpe
 from shardkit.testing._decorator import free_port, world
 from shardkit.testing._devices import rank_cuda_device
 from shardkit.testing._logs import LogCapture, captured_logs
+from shardkit.testing._memory import live_storages
 from shardkit.testing._world import WorldStartError, pool
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "__version__",
     "captured_logs",
     "free_port",
+    "live_storages",
     "pool",
     "rank_cuda_device",
     "world",
