@@ -63,3 +63,20 @@ def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) ->
     param_bytes = 2 if master else 4
     theory = param_bytes + (param_bytes + 12) / world_size if master else 4 + 12 / world_size
     assert total / n <= theory + held["staging"] / n + bucket / n, (total / n, theory, held)
+
+
+@world(2)
+def test_keep_staging_buffers_keeps_the_pool_between_steps() -> None:
+    model = _model(torch.float32)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(
+        model, opt, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB, keep_staging_buffers=True
+    )
+    for _ in range(2):
+        sdp(torch.randn(4, WIDTH)).square().mean().backward()
+        opt.step()
+    assert sdp.memory_bytes()["staging"] > 0  # kept: [Note: Staging lifetime]
+    other = _model(torch.float32)
+    other_opt = ShardedOptimizer(other.parameters(), optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="keep_staging_buffers must be a bool"):
+        ShardedDataParallel(other, other_opt, keep_staging_buffers=1)  # type: ignore[arg-type]

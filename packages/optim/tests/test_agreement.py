@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,25 @@ def test_ranks_in_different_calls_raise_the_same_error_before_anything_moves() -
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.optim.state  # no shard moved, no state created
     opt.step()  # and the ranks are back in step
+
+
+@world(2, timeout=90)
+def test_save_sharded_on_one_rank_alone_raises_within_the_timeout(tmp_path: Path) -> None:
+    from shardkit.optim import save_sharded
+
+    model = nn.Linear(4, 3)
+    opt = ShardedOptimizer(
+        model.parameters(), optim=torch.optim.Adam, lr=0.1, collective_timeout=2.0
+    )
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"save_sharded\(\) and waited"):
+            save_sharded(opt, tmp_path / "ckpt")
+        assert time.monotonic() - start < 20
+        assert not (tmp_path / "ckpt").exists()  # nothing written
+    else:
+        time.sleep(3)
+        with pytest.raises(RuntimeError, match=r"different collective calls.*save_sharded"):
+            opt.step()

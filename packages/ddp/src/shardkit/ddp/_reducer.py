@@ -184,6 +184,8 @@ class _Reducer:
         self.next_launch = 0
         self.in_backward = False
         self.enabled = True
+        self.keep_pool = False
+        """Keep the staging buffers between backwards (see [Note: Staging lifetime])."""
         self.on_backward_start: Callable[[], None] | None = None
         """Called at the first gradient of a synchronised backward, before any collective of it
         (``ShardedDataParallel``'s agreement; see shardkit-optim's [Note: Call agreement])."""
@@ -377,7 +379,7 @@ class _Reducer:
         with phase("wait"):  # See [Note: Profiler ranges]
             while self.inflight:
                 self._finish(0)
-        if not self.in_backward:
+        if not self.in_backward and not self.keep_pool:
             self._empty_pool()
 
     # [Note: Staging lifetime]
@@ -387,7 +389,7 @@ class _Reducer:
     # the last reduction, the pool is emptied: nothing of it is alive between steps, so after
     # ``step()`` a rank holds params, its grad shards and its optimizer state only (issue 25's
     # memory target). The next backward allocates again: free with a caching allocator (CUDA);
-    # on CPU the allocator reuses the pages just freed.
+    # on CPU it costs fresh pages (``keep_staging_buffers=True`` keeps the pool instead).
     def _empty_pool(self) -> None:
         for key, free in self._free.items():
             self._count[key] -= len(free)

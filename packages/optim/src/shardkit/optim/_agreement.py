@@ -188,6 +188,12 @@ _CALLS = (
     register_call("ShardedOptimizer.step()"),
     register_call("ShardedOptimizer.consolidate_state_dict()"),
     register_call("ShardedOptimizer.state_dict() (implicit consolidation onto every rank)"),
+    register_call("shardkit.optim.save_sharded()"),
+    register_call("shardkit.optim.load_sharded()"),
+    register_call("ShardedOptimizer.master_model_state_dict()"),
+    register_call(
+        "ShardedOptimizer repartition (add_param_group / refresh_trainable / set_partition)"
+    ),
 )
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from shardkit.optim import _commit
+from shardkit.optim._agreement import _CALLS, agree_call
 from shardkit.optim._commit import Staging, checksum, read_header, resolve, verify_checksums
 from shardkit.optim._load_checks import Opened, parse_key, request, validate_against
 from shardkit.optim._master import MASTER_KEY
@@ -123,6 +124,8 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
             removed).
     """
     _require_numpy("save_sharded")
+    # Every rank in this call, within collective_timeout: see [Note: Call agreement].
+    agree_call(_CALLS[3], optimizer.group, optimizer.collective_timeout)
     final = Path(path)
     group = optimizer.group
     coordinator = optimizer.rank == 0
@@ -383,6 +386,7 @@ def load_sharded(
             an opt-in above. Raised on every rank, naming the item or field.
     """
     _require_numpy("load_sharded")
+    agree_call(_CALLS[4], optimizer.group, optimizer.collective_timeout)  # [Note: Call agreement]
     group = optimizer.group
     params = [p for g in optimizer.param_groups for p in g["params"]]
     error: str | None = None

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import (
+    _CALLS,
+    agree_call,
     agree_step,
     agree_values,
     check_param_order,
@@ -196,6 +198,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
     # ------------------------------------------------------------------ layout
     def _rebuild(self, migrate: bool) -> None:
         """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
+        if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
+            agree_call(_CALLS[6], self.group, self._timeout)
         params = [p for g in self.param_groups for p in g["params"]]
         mask = bytes(int(p.requires_grad) for p in params)
         not_dense = [(i, p.layout) for i, p in enumerate(params) if p.layout != torch.strided]
@@ -324,6 +328,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                 in the message), or ranks passing different values (raised on every rank).
         """
         self._refuse_repartition("set_partition")
+        agree_call(_CALLS[6], self.group, self._timeout)  # See [Note: Call agreement]
         params = [p for g in self.param_groups for p in g["params"]]
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
         agree_values(

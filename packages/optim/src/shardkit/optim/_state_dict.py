@@ -340,6 +340,7 @@ class _StateDictMixin:
             RuntimeError: the optimizer has no master weights (``master_dtype=None``).
         """
         masters = self._require_masters("master_model_state_dict")
+        agree_call(_CALLS[5], self.group, self._timeout)  # See [Note: Call agreement]
         index = {id(p): i for i, p in enumerate(self._layout.params)}
         local: dict[int, dict[str, Any]] = {}
         for i in self._layout.owned(self.rank):
