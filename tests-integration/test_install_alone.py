@@ -10,31 +10,20 @@ isolated (``-I``), from an empty directory.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from _tools import ROOT, check_packages_tool
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = ROOT
 _SMOKE = Path(__file__).resolve().parent / "smoke"
 _SMOKE_TIMEOUT_S = 240
 
 
-def _tool() -> ModuleType:
-    name = "_shardkit_tools_check_packages"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, _ROOT / "tools" / "check_packages.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+_tool = check_packages_tool
 
 
 def _package_names() -> list[str]:

@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["MUTATORS", "Violation", "apply", "check_load", "make_checkpoint", "state_bytes"]
+__all__ = [
+    "MUTATORS",
+    "Violation",
+    "apply",
+    "check_load",
+    "make_checkpoint",
+    "state_bytes",
+    "train",
+]
 
 _VIRTUAL_SLACK = 32 << 20
 _RSS_FACTOR = 3
@@ -59,6 +67,15 @@ def _build() -> tuple[torch.nn.Module, Any]:
     return model, ShardedOptimizer(groups, optim=torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
 
 
+def train(model: torch.nn.Module, opt: Any) -> None:
+    """The two steps every fuzzed checkpoint is saved after."""
+    for s in range(2):
+        g = torch.Generator().manual_seed(s)
+        opt.zero_grad()
+        model(torch.randn(8, 256, generator=g)).square().mean().backward()
+        opt.step()
+
+
 def _main(out: Path) -> None:
     import torch.distributed as dist
     from shardkit.optim import save_sharded
@@ -67,11 +84,7 @@ def _main(out: Path) -> None:
         "gloo", store=dist.FileStore(str(out / "store"), 1), rank=0, world_size=1
     )
     model, opt = _build()
-    for s in range(2):
-        g = torch.Generator().manual_seed(s)
-        opt.zero_grad()
-        model(torch.randn(8, 256, generator=g)).square().mean().backward()
-        opt.step()
+    train(model, opt)
     save_sharded(opt, out / "ckpt")
     torch.save(opt.state_dict(all_ranks=True), out / "expected.pt")
     dist.destroy_process_group()

@@ -131,19 +131,26 @@ def test_bad_collective_timeout() -> None:
 
 
 # ---------------------------------------------------------------- call agreement (issue 26/29)
+def _stepped_adam(collective_timeout: float) -> ShardedOptimizer:
+    """A ShardedOptimizer(Adam) over a small Linear, stepped once (state exists)."""
+    model = nn.Linear(4, 3)
+    opt = ShardedOptimizer(
+        model.parameters(),
+        optim=torch.optim.Adam,
+        lr=0.1,
+        collective_timeout=collective_timeout,
+    )
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
 @world(2, timeout=90)
 def test_state_dict_on_one_rank_raises_on_every_rank_within_the_timeout() -> None:
     """The classic "save on rank 0 only": rank 0 raises after ``collective_timeout`` naming the
     call; rank 1, which trains on, raises at its next step naming both calls; the default
     process group stays usable."""
-    import time
-
-    model = nn.Linear(4, 3)
-    opt = ShardedOptimizer(
-        model.parameters(), optim=torch.optim.Adam, lr=0.1, collective_timeout=2.0
-    )
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    opt = _stepped_adam(collective_timeout=2.0)
     if dist.get_rank() == 0:
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"state_dict\(\).*every\s+rank must call"):
@@ -178,12 +185,7 @@ def test_ranks_in_different_calls_raise_the_same_error_before_anything_moves() -
 def test_save_sharded_on_one_rank_alone_raises_within_the_timeout(tmp_path: Path) -> None:
     from shardkit.optim import save_sharded
 
-    model = nn.Linear(4, 3)
-    opt = ShardedOptimizer(
-        model.parameters(), optim=torch.optim.Adam, lr=0.1, collective_timeout=2.0
-    )
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    opt = _stepped_adam(collective_timeout=2.0)
     if dist.get_rank() == 0:
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"save_sharded\(\) and waited"):
