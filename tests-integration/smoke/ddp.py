@@ -28,7 +28,7 @@ def main() -> None:
                 o.zero_grad()
                 m(x).square().mean().backward()
                 o.step()
-        for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        for a, b in zip(plain.parameters(), ddp.parameters(), strict=True):  # waits for gathers
             assert torch.equal(a, b), "ShardedDataParallel differs from the plain model"
         calls = ddp.comm_stats.calls
         assert calls["reduce_scatter"] == calls["all_gather"] > 0, dict(calls)

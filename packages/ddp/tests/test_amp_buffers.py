@@ -43,7 +43,9 @@ def _loss(m: nn.Module, step: int, micro: int = 0, dtype: torch.dtype = torch.fl
 
 
 def _equal(a: nn.Module, b: nn.Module) -> None:
-    for (n, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+    got = b.state_dict()  # waits for the param gathers still in flight (overlap_param_gather)
+    for n, x in a.named_parameters():
+        y = got[n]
         assert torch.equal(x, y), f"{n}: max diff {(x.float() - y.float()).abs().max().item()}"
 
 
@@ -234,26 +236,32 @@ def test_save_load_sharded_resumes_bit_exact(kind: str, tmp_path: Path) -> None:
 
 @world(2, timeout=60)
 def test_requires_grad_change_on_one_rank_raises_everywhere() -> None:
-    """Rank 1 freezes a param after construction: the next step raises on both ranks (in the
-    optimizer's per-step agreement, before any shard moves) instead of rank 1 alone while
-    rank 0 waits in the all-gathers."""
-    m = _mlp()
-    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
-    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64)
-    _loss(sdp, 0).backward()
-    opt.step()
-    calls = sdp.comm_stats.calls["all_reduce"]
-    if dist.get_rank() == 1:
-        m[0].weight.requires_grad_(False)
-    opt.zero_grad()
-    _loss(sdp, 1).backward()
-    before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(RuntimeError, match=r"requires_grad changed .* on rank 1"):
+    """Rank 1 freezes a param after construction. Without auto refresh the next step raises on
+    both ranks (in the optimizer's per-step agreement, before any shard moves) instead of rank 1
+    alone while rank 0 waits in the all-gathers; with it (default) rank 1's next forward starts
+    a refresh that rank 0 is not in, and both ranks raise, naming the two calls."""
+    for auto in (False, True):
+        m = _mlp()
+        opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64, auto_refresh_trainable=auto)
+        _loss(sdp, 0).backward()
         opt.step()
-    # the agreement is shardkit-optim's (its side group): no collective of the wrapper ran,
-    # and nothing moved
-    assert sdp.comm_stats.calls["all_reduce"] == calls
-    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+        calls = sdp.comm_stats.calls["all_reduce"]
+        if dist.get_rank() == 1:
+            m[0].weight.requires_grad_(False)
+        opt.zero_grad()
+        before = [p.detach().clone() for p in sdp.parameters()]  # waits for the gathers
+        if auto:
+            with pytest.raises(RuntimeError, match=r"refresh_trainable\(\)"):
+                _loss(sdp, 1).backward()
+        else:
+            _loss(sdp, 1).backward()
+            with pytest.raises(RuntimeError, match=r"requires_grad changed .* on rank 1"):
+                opt.step()
+        # the agreements are shardkit-optim's (its side group): no collective of the wrapper
+        # ran, and nothing moved
+        assert sdp.comm_stats.calls["all_reduce"] == calls
+        assert all(torch.equal(a, b) for a, b in zip(before, sdp.parameters(), strict=True))
 
 
 @world(2)

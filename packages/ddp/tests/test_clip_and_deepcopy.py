@@ -69,7 +69,7 @@ def test_torch_clip_raises_and_wrapper_clip_matches_ddp() -> None:
         opt.step()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
         assert want > 0.05  # the clip is active
-    for a, b in zip(ref_m.parameters(), m.parameters(), strict=True):
+    for a, b in zip(ref_m.parameters(), sdp.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
@@ -109,7 +109,7 @@ def test_placeholder_grads_are_metadata_only_and_never_reach_autograd() -> None:
     opt.step()
     # DDP all-reduces (its reduced first gradient + the local second one); this package adds
     # the reduced second gradient to its reduced first one: the same sum in another order.
-    for a, b in zip(ref_m.parameters(), m.parameters(), strict=True):
+    for a, b in zip(ref_m.parameters(), sdp.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert all(p.grad is not None for p in m.parameters())  # placeholders stay after step
     # no_sync: real local gradients in .grad, as under DDP.
@@ -119,7 +119,7 @@ def test_placeholder_grads_are_metadata_only_and_never_reach_autograd() -> None:
     with ref.no_sync(), sdp.no_sync():
         _loss(ref, 1).backward()
         _loss(sdp, 1).backward()
-    for a, b in zip(ref_m.parameters(), m.parameters(), strict=True):
+    for a, b in zip(ref_m.parameters(), sdp.parameters(), strict=True):
         assert type(b.grad) is torch.Tensor  # the params differ by the rounding above
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
 
@@ -194,6 +194,7 @@ def _is_plain(copy_m: nn.Module) -> None:
     for sub in copy_m.modules():
         assert "__deepcopy__" not in vars(sub)
         assert not sub._forward_pre_hooks and not sub._state_dict_pre_hooks
+        assert not sub._load_state_dict_pre_hooks
     for p in copy_m.parameters():
         assert p.grad is None
         # its own storage, not the bucket's flat buffer
@@ -239,7 +240,7 @@ def test_deepcopy_of_wrapped_module_is_plain_and_trains_alone(overlap: bool) -> 
         _loss(model, 2).backward()
         o.step()
     sdp.wait_params()
-    for a, b in zip(ref_m.parameters(), m.parameters(), strict=True):
+    for a, b in zip(ref_m.parameters(), sdp.parameters(), strict=True):
         assert torch.equal(a, b)
     # A submodule alone copies the same way; the wrapper itself refuses, naming the way.
     _is_plain(copy.deepcopy(m[2]))

@@ -36,11 +36,12 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
 
 
 def _snapshot(m: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in m.parameters()]
+    # state_dict() waits for the param gathers of the last step (overlap_param_gather)
+    return [v.detach().clone() for v in m.state_dict().values()]
 
 
 def _unchanged(before: list[torch.Tensor], m: nn.Module) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    return all(torch.equal(a, b) for a, b in zip(before, _snapshot(m), strict=True))
 
 
 @world(2)
@@ -83,7 +84,7 @@ def test_one_rank_without_backward_raises_on_every_rank() -> None:
 
 @world(2, timeout=120)
 def test_no_sync_on_one_rank_raises_on_every_rank() -> None:
-    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    m, _opt, sdp = _wrapped(broadcast_buffers=False)
     before = _snapshot(m)
     if dist.get_rank() == 0:
         with sdp.no_sync():
@@ -95,7 +96,7 @@ def test_no_sync_on_one_rank_raises_on_every_rank() -> None:
 
 @world(2, timeout=120)
 def test_state_dict_on_one_rank_while_the_other_trains_raises_on_both() -> None:
-    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    _m, opt, sdp = _wrapped(broadcast_buffers=False)
     _loss(sdp, 0).backward()
     opt.step()
     start = time.monotonic()
@@ -110,7 +111,7 @@ def test_state_dict_on_one_rank_while_the_other_trains_raises_on_both() -> None:
 
 @world(2, timeout=120)
 def test_optimizer_state_dict_on_one_rank_alone_raises_within_the_timeout() -> None:
-    m, opt, sdp = _wrapped(broadcast_buffers=False)
+    _m, opt, sdp = _wrapped(broadcast_buffers=False)
     _loss(sdp, 0).backward()
     opt.step()
     if dist.get_rank() == 0:

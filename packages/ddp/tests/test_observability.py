@@ -53,8 +53,9 @@ def test_step_phases_show_in_a_profiler_trace() -> None:
 
 @world(2)
 def test_deferred_param_gathers_show_in_a_profiler_trace() -> None:
-    sdp, opt = _wrapped(overlap_param_gather=True)
-    _step(sdp, opt)
+    sdp, opt = _wrapped()  # overlap_param_gather: default
+    sdp(torch.randn(3, 5)).square().mean().backward()
+    opt.step()  # no zero_grad() (it would wait)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         sdp(torch.randn(3, 5))  # forward pre-hooks wait for their own buckets' gathers
     names = {e.key for e in prof.key_averages()}

@@ -99,6 +99,9 @@ class _Bucket:
     """Whether ``grad_shard`` holds no gradient yet since the last step / zero_grad."""
     pending: set[int] = field(default_factory=set)
     """Positions (in ``params``) whose gradient this backward has not staged yet."""
+    used: set[int] = field(default_factory=set)
+    """Positions of the params that staged a real gradient on this rank since the grad shard
+    was last consumed (see [Note: Per-param fragments] in ``shardkit.ddp._stepper``)."""
     staging: torch.Tensor | None = None
     launched: bool = False
     work: object | None = None

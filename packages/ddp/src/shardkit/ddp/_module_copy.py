@@ -63,15 +63,19 @@ class _PlainCopy:
         state = dict(cast(Any, module).__getstate__())
         state.pop("__deepcopy__", None)
         for key, value in state.items():
-            if isinstance(value, dict) and any(isinstance(h, _Hook) for h in value.values()):
-                state[key] = type(value)(
-                    (k, h) for k, h in value.items() if not isinstance(h, _Hook)
-                )
+            if isinstance(value, dict) and any(_is_ours(h) for h in value.values()):
+                state[key] = type(value)((k, h) for k, h in value.items() if not _is_ours(h))
         cls = type(module)
         out = cls.__new__(cls)
         memo[id(module)] = out
         cast(Any, out).__setstate__(copy.deepcopy(state, memo))
         return out
+
+
+def _is_ours(hook: object) -> bool:
+    """A hook of the wrapper: a ``_Hook``, or one that torch stored wrapped with its module
+    (``register_load_state_dict_pre_hook`` keeps the hook as the wrapper's ``.hook``)."""
+    return isinstance(hook, _Hook) or isinstance(getattr(hook, "hook", None), _Hook)
 
 
 def make_deepcopy_plain(module: nn.Module, wait: Callable[[], None]) -> None:

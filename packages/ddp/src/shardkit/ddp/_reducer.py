@@ -301,10 +301,7 @@ class _Reducer:
         if not self.in_backward:
             if self.on_backward_start is not None:  # the wrapper's agreement: may raise
                 self.on_backward_start()
-            self.in_backward = True
-            self.next_launch = 0
-            for b in self.buckets:
-                b.reset_backward()
+            self.start_pass()
             queue_end_of_backward(self.flush)
         b, i = self.where[id(p)]
         if i not in b.pending or p.grad is None:
@@ -314,6 +311,21 @@ class _Reducer:
         b.pending.discard(i)
         self._launch_ready()
 
+    def start_pass(self) -> None:
+        """Starts a reduction pass (a synchronised backward, or ``reduce()``).
+
+        The previous pass's reduce-scatters are waited for first: a bucket's staging buffer
+        and its ``out`` belong to its in-flight reduction until it completes, and a second
+        synchronised backward without a step in between (gradients accumulate, as with DDP)
+        must neither stage into a buffer still being read nor add into the grad shard before
+        the earlier reduction has written it.
+        """
+        self.wait_inflight()
+        self.in_backward = True
+        self.next_launch = 0
+        for b in self.buckets:
+            b.reset_backward()
+
     def _stage(self, b: _Bucket, i: int, grad: torch.Tensor | None) -> None:
         if b.staging is None:
             b.staging = self._acquire(b)
@@ -321,7 +333,9 @@ class _Reducer:
         view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
         if grad is None or type(grad) is _ReducedGrad:  # no new gradient in this pass
             view.zero_()
-        elif view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
+            return
+        b.used.add(i)  # See [Note: Per-param fragments] in shardkit.ddp._stepper
+        if view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
             torch.mul(grad.detach(), self.scale, out=view)
         else:  # a wider reduce dtype: upcast first, scale in it ([Note: Reduce dtype])
             view.copy_(grad.detach()).mul_(self.scale)
@@ -376,11 +390,17 @@ class _Reducer:
         """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
         if not self.inflight:
             return
+        self.wait_inflight()
+        if not self.in_backward and not self.keep_pool:
+            self._empty_pool()
+
+    def wait_inflight(self) -> None:
+        """Waits for the in-flight reduce-scatters, in launch order (keeps the pool)."""
+        if not self.inflight:
+            return
         with phase("wait"):  # See [Note: Profiler ranges]
             while self.inflight:
                 self._finish(0)
-        if not self.in_backward and not self.keep_pool:
-            self._empty_pool()
 
     # [Note: Staging lifetime]
     # A bucket's staging buffer lives from its bucket's first gradient in backward until its
@@ -399,6 +419,7 @@ class _Reducer:
         """Marks the grad shards of ``buckets`` consumed (after a step or ``zero_grad``)."""
         for b in buckets:
             b.grad_fresh = True  # the next reduce-scatter overwrites the shard
+            b.used.clear()
             self.clipped.discard(b.index)
 
 

@@ -13,7 +13,16 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from shardkit.ddp._comm import CommStats, _Comm, _Pending
+from shardkit.ddp._checks import (
+    agree_plan,
+    agree_structure,
+    cap_bytes,
+    check_params,
+    optimizers_of,
+    reduce_dtype_of,
+)
+from shardkit.ddp._comm import CommStats, _Comm
+from shardkit.ddp._gather import _ParamGather
 from shardkit.ddp._layout import _Bucket, build_buckets, is_elementwise
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
 from shardkit.ddp._ranges import phase
@@ -21,7 +30,7 @@ from shardkit.ddp._reducer import _Reducer, check_clip, is_placeholder
 from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
 from shardkit.ddp._stepper import _Stepper
 from shardkit.ddp._unit import _Host, _Unit
-from shardkit.optim import ShardedOptimizer, agree_call, agree_values, register_call
+from shardkit.optim import ShardedOptimizer, agree_call, register_call
 from shardkit.partition import check_consistent
 from torch import nn
 
@@ -35,7 +44,7 @@ _FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
 _REDUCE = register_call("ShardedDataParallel.reduce()")
 _CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
 _STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
-_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_REFRESH = register_call("ShardedDataParallel.refresh_trainable()")
 
 
 class ShardedDataParallel(nn.Module):
@@ -73,9 +82,11 @@ class ShardedDataParallel(nn.Module):
         sync_models_at_startup: broadcast rank 0's params and buffers at construction.
         reduce_buffer_size: fairscale's bucket size in elements (fp32, 4 bytes each); ``None``
             uses ``bucket_cap_mb``; ``0`` puts every param in its own bucket.
-        auto_refresh_trainable: accepted for fairscale compatibility; a change of
-            ``requires_grad`` after construction (on any rank) raises at the next step on
-            every rank.
+        auto_refresh_trainable: a change of ``requires_grad`` (on every rank alike) is picked
+            up by the next training forward, which rebuilds the bucket layout and keeps the
+            optimizer state (fairscale's behaviour; see :meth:`refresh_trainable`). With
+            ``False``, call :meth:`refresh_trainable` yourself; a step after an unrefreshed
+            change raises on every rank.
         reduce_fp16: fairscale's flag: ``True`` is ``reduce_dtype=torch.float16``.
         warn_on_trainable_params_changed: accepted for fairscale compatibility.
         bucket_cap_mb: bucket cap in MiB (DDP's default 25).
@@ -85,14 +96,17 @@ class ShardedDataParallel(nn.Module):
             ``shardkit.ddp.ELEMENTWISE_OPTIMIZERS`` element by element and gives whole params
             to owners for any other optimizer (Muon, Shampoo-like); ``True`` / ``False``
             forces one way.
-        overlap_param_gather: ``False`` (default): ``step()`` returns once every param is
-            all-gathered. ``True``: the all-gathers are left in flight, in forward order, and a
-            forward pre-hook of each submodule waits only for the buckets of its own params,
-            so the gathers overlap the next forward (Megatron's overlap-param-gather). Params
-            read outside a forward before that (EMA, inspection) must call
-            :meth:`wait_params` first; ``state_dict()`` of this module and of the wrapped
-            module, the optimizer's state dicts, clipping and the next step wait by
-            themselves. See [Note: Deferred param gather].
+        overlap_param_gather: ``True`` (default): the param all-gathers of ``step()`` are
+            left in flight, in forward order, and a forward pre-hook of each submodule waits
+            only for the buckets of its own params, so the gathers overlap the next forward
+            (FSDP2's prefetch, Megatron's overlap-param-gather). ``state_dict()`` of this module and of the wrapped module, ``copy.deepcopy``, the
+            optimizer's state dicts and checkpoints, clipping and the next step wait by
+            themselves; params read anywhere else before the next forward (an EMA update,
+            logging a norm) need :meth:`wait_params` first. Params the first forward reads
+            before any module owning them ran (tied or functional use) are found by a probe
+            and gathered synchronously. ``False``: ``step()`` returns once every param is
+            gathered. See [Note: Deferred param gather] and [Note: Gather probe] in
+            ``shardkit.ddp._gather``.
         reduce_dtype: the dtype gradients are staged and reduce-scattered in (``None``: each
             bucket's own dtype). ``torch.float16`` / ``torch.bfloat16`` on an fp32 model halve
             the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
@@ -127,21 +141,21 @@ class ShardedDataParallel(nn.Module):
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         elementwise: bool | None = None,
-        overlap_param_gather: bool = False,
+        overlap_param_gather: bool = True,
         reduce_dtype: torch.dtype | None = None,
         keep_staging_buffers: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        opts = _optimizers(sharded_optimizer)
+        opts = optimizers_of(sharded_optimizer)
         if process_group is not None and process_group is not opts[0].group:
             raise ValueError(
                 "process_group must be None or the ShardedOptimizer's group: gradients are "
                 "reduced over the group the optimizer shards over. Build the optimizer with "
                 "group=process_group."
             )
-        reduce_dtype = _reduce_dtype(reduce_fp16, reduce_dtype)
+        reduce_dtype = reduce_dtype_of(reduce_fp16, reduce_dtype)
         if not isinstance(keep_staging_buffers, bool):
             raise TypeError(
                 f"keep_staging_buffers must be a bool, got {type(keep_staging_buffers).__name__}:"
@@ -149,8 +163,8 @@ class ShardedDataParallel(nn.Module):
             )
         if elementwise is not None and not isinstance(elementwise, bool):
             raise TypeError(f"elementwise must be None or a bool, got {elementwise!r}")
-        cap = _cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
-        first_cap = min(cap, _cap_bytes(None, first_bucket_cap_mb, "first_bucket_cap_mb"))
+        cap = cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
+        first_cap = min(cap, cap_bytes(None, first_bucket_cap_mb, "first_bucket_cap_mb"))
         self.module = module
         self.sharded_optimizers: list[ShardedOptimizer] = opts
         """The wrapped optimizers (fairscale's attribute), in the order given."""
@@ -162,26 +176,13 @@ class ShardedDataParallel(nn.Module):
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self.reduce_dtype = reduce_dtype
         self._comm = _Comm(self.group)
-        _check_params(module, [o.param_groups for o in opts])
-        _agree_structure(module, opts[0].group)  # before any collective on params/buffers
+        check_params(module, [o.param_groups for o in opts])
+        agree_structure(module, opts[0].group)  # before any collective on params/buffers
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
-        buckets: list[_Bucket] = []
-        spans: list[tuple[int, int]] = []
-        prints: list[str] = [f"reduce_dtype={reduce_dtype}"]
-        for k, o in enumerate(opts):
-            flags = [is_elementwise(type(o.optim), elementwise)] * len(o.param_groups)
-            mine, group_prints = build_buckets(
-                o.param_groups, flags, self.world_size, cap, first_cap, first_index=len(buckets)
-            )
-            spans.append((len(buckets), len(buckets) + len(mine)))
-            buckets += mine
-            prints += [f"optimizer {k}: {fp}" for fp in group_prints]
-        _agree_plan(prints, self.group)
-        self._buckets = buckets
-        if sync_models_at_startup:
-            self._sync_at_startup(params)
-        host = _Host(
+        self._cap = (cap, first_cap)
+        self._elementwise = elementwise
+        self._host = _Host(
             self.rank,
             self.world_size,
             self._step_unit,
@@ -191,31 +192,14 @@ class ShardedDataParallel(nn.Module):
             self.optimizer_state_dict,
             self.load_optimizer_state_dict,
         )
-        self._units = [
-            _Unit(
-                host,
-                k,
-                o,
-                buckets[a:b],
-                _Stepper(
-                    buckets[a:b],
-                    type(o.optim),
-                    o.param_groups,
-                    dict(o.defaults),
-                    self.rank,
-                    o.master_dtype,
-                ),
-            )
-            for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True))
-        ]
-        self._reducer = _Reducer(buckets, self._comm, reduce_dtype)
-        self._reducer.keep_pool = keep_staging_buffers
-        self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
+        self._keep_staging = keep_staging_buffers
         self._no_sync_entries = 0
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
-        # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
-        self._handles: list[Any] = self._reducer.register_hooks()
+        self._units: list[_Unit] = []
+        self._grad_hooks: list[Any] = []
+        self._gather = _ParamGather(self._comm, self.rank, overlap=True)
+        self._build(sync_models_at_startup)
         self.last_closure_loss: Any = None
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
@@ -223,22 +207,63 @@ class ShardedDataParallel(nn.Module):
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {overlap_param_gather!r}")
         self.overlap_param_gather = overlap_param_gather
-        self._gathers: dict[int, _Pending] = {}
-        self._module_buckets: dict[nn.Module, list[int]] = {}
-        where = {id(p): b.index for b in buckets for p in b.params}
+        self._gather.overlap = overlap_param_gather
+        self._handles: list[Any] = []
         for sub in module.modules():
-            own = sorted({where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where})
-            if own:
-                self._module_buckets[sub] = own
-                self._handles.append(sub.register_forward_pre_hook(_Hook(self._pre_forward)))
+            if sub is module or next(sub.parameters(recurse=False), None) is not None:
+                # See [Note: Deferred param gather] in shardkit.ddp._gather: every module that
+                # holds params waits before its forward, its state_dict() and load_state_dict()
+                hooked = cast(Any, sub)
+                self._handles += [
+                    hooked.register_forward_pre_hook(_Hook(self._pre_forward)),
+                    hooked.register_state_dict_pre_hook(_Hook(self._before_state_dict)),
+                    hooked.register_load_state_dict_pre_hook(_Hook(self._before_state_dict)),
+                ]
                 make_deepcopy_plain(sub, self.wait_params)  # See [Note: Plain deepcopy]
-        self._handles.append(
-            cast(Any, module).register_state_dict_pre_hook(_Hook(self._before_state_dict))
-        )
-        make_deepcopy_plain(module, self.wait_params)
         for unit in self._units:  # See [Note: Optimizer hand-over]
             unit.opt.attach_driver(unit)
         self._comm.stats.reset()
+
+    def _build(self, sync: bool) -> None:
+        """Plans the buckets of the trainable params, re-points them into the flat buffers, and
+        builds (or, on :meth:`refresh_trainable`, rebuilds) the steppers, the reducer and its
+        gradient hooks. Collective (the plan agreement, the startup broadcast)."""
+        cap, first_cap = self._cap
+        opts = self.sharded_optimizers
+        buckets: list[_Bucket] = []
+        spans: list[tuple[int, int]] = []
+        prints: list[str] = [f"reduce_dtype={self.reduce_dtype}"]
+        for k, o in enumerate(opts):
+            flags = [is_elementwise(type(o.optim), self._elementwise)] * len(o.param_groups)
+            mine, group_prints = build_buckets(
+                o.param_groups, flags, self.world_size, cap, first_cap, first_index=len(buckets)
+            )
+            spans.append((len(buckets), len(buckets) + len(mine)))
+            buckets += mine
+            prints += [f"optimizer {k}: {fp}" for fp in group_prints]
+        agree_plan(prints, self.group)
+        self._buckets = buckets
+        if sync:
+            self._sync_at_startup([p for o in opts for g in o.param_groups for p in g["params"]])
+        for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True)):
+            stepper = _Stepper(
+                buckets[a:b], type(o.optim), o.param_groups, dict(o.defaults), self.rank,
+                o.master_dtype,
+            )  # fmt: skip
+            if k < len(self._units):
+                self._units[k].rebuild(buckets[a:b], stepper)
+            else:
+                self._units.append(_Unit(self._host, k, o, buckets[a:b], stepper))
+        for h in self._grad_hooks:
+            h.remove()
+        self._reducer = _Reducer(buckets, self._comm, self.reduce_dtype)
+        self._reducer.keep_pool = self._keep_staging
+        self._reducer.enabled = not self._no_sync
+        self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
+        # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
+        self._grad_hooks = self._reducer.register_hooks()
+        self._gather.rebuild(buckets, self.module)
+        self._trainable = [p.requires_grad for p in self.module.parameters()]
 
     # ------------------------------------------------------------------ set-up
     def _sync_at_startup(self, params: list[torch.Tensor]) -> None:
@@ -311,6 +336,11 @@ class ShardedDataParallel(nn.Module):
                             f"(double backward / create_graph=True): ShardedDataParallel reduces "
                             f"detached gradients; use torch DDP for higher-order gradients"
                         )
+            if self.auto_refresh_trainable and any(
+                p.requires_grad != t
+                for p, t in zip(self.module.parameters(), self._trainable, strict=True)
+            ):
+                self.refresh_trainable()  # See [Note: Trainable refresh]
         if self._reducer.in_backward and not self._reducer.inflight:
             self._reducer.in_backward = False  # the last backward raised before its end
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
@@ -319,9 +349,63 @@ class ShardedDataParallel(nn.Module):
             with torch.no_grad(), phase("broadcast_buffers"):
                 for buf in buffers:
                     self._comm.broadcast(buf, 0)
-        out = self.module(*args, **kwargs)
+        with self._gather.probed():  # See [Note: Gather probe] in shardkit.ddp._gather
+            out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         return out
+
+    # [Note: Trainable refresh]
+    # The bucket layout holds the params that were trainable when it was built. A change of
+    # ``requires_grad`` is picked up by the next training forward (``auto_refresh_trainable``,
+    # fairscale's behaviour; else by an explicit ``refresh_trainable()``), which rebuilds the
+    # layout on every rank: agree on the new flags (bounded: a rank that did not change them is
+    # in another call and every rank raises), wait for the reductions and gathers, take each
+    # optimizer's full state dict (collective), give the params that left the layout their own
+    # storage, re-plan the buckets, and load the state dicts back into the new pieces. So the
+    # optimizer state of the params that stay trainable survives, bit for bit, and a param that
+    # becomes trainable starts with no state, as with a plain optimizer. It costs the full state
+    # on every rank for the moment of the rebuild. A change made after a forward is refused at
+    # the next step (the layout of that backward was the old one).
+    def refresh_trainable(self) -> None:
+        """Rebuilds the bucket layout after ``requires_grad`` changed. Collective.
+
+        Called by the next training forward when ``auto_refresh_trainable`` (default); see
+        [Note: Trainable refresh].
+
+        Raises:
+            ValueError: ranks changed ``requires_grad`` differently (on every rank).
+            RuntimeError: reduced gradients wait for a step (call ``step()`` or
+                ``zero_grad()`` first), or the ranks are not all refreshing.
+        """
+        flags = [p.requires_grad for p in self.module.parameters()]
+        digest = int.from_bytes(bytes(flags), "big") % (1 << 61) + len(flags)
+        if not self._agree(_REFRESH, digest=digest):
+            raise ValueError(
+                "ShardedDataParallel.refresh_trainable(): ranks changed requires_grad on "
+                "different params; every rank must freeze and unfreeze the same params"
+            )
+        if any(not b.grad_fresh for b in self._buckets):  # agreed: launches are collective
+            raise RuntimeError(
+                "requires_grad changed while reduced gradients wait for optimizer.step(): call "
+                "step() or zero_grad() before changing which params train"
+            )
+        check_params(self.module, [o.param_groups for o in self.sharded_optimizers])
+        self._reducer.finish_all()
+        self.wait_params()
+        states = [self.optimizer_state_dict(u.index) for u in self._units]
+        with torch.no_grad():
+            for b in self._buckets:
+                for p in b.params:
+                    p.data = p.data.clone()  # off the old flat buffer
+        self._build(sync=False)
+        for u, sd in zip(self._units, states, strict=True):
+            self.load_optimizer_state_dict(sd, u.index)
+        logger.info(
+            "ShardedDataParallel: requires_grad changed, bucket layout rebuilt (%d trainable "
+            "params, %d buckets)",
+            sum(flags),
+            len(self._buckets),
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -344,9 +428,7 @@ class ShardedDataParallel(nn.Module):
         if self._reducer.in_backward:
             raise RuntimeError("ShardedDataParallel.reduce() cannot run inside a backward pass")
         self._agree_reduction(_REDUCE)
-        for b in self._buckets:
-            b.reset_backward()
-        self._reducer.next_launch = 0
+        self._reducer.start_pass()
         self._reducer.flush()
 
     # ------------------------------------------------------------------ agreement
@@ -392,12 +474,29 @@ class ShardedDataParallel(nn.Module):
             unit.opt.check_step(self._trainable_error(unit))
             self.wait_params()
             self._reducer.finish_all()
+            unused = self._global_unused(unit.buckets)
             with phase("local_step"):
-                unit.stepper.step(unit.opt.param_groups)
+                unit.stepper.step(unit.opt.param_groups, unused)
             self._reducer.consume(unit.buckets)
             with phase("all_gather"):
-                self._all_gather_params(unit.buckets)
+                self._gather.issue(unit.buckets)
         return loss
+
+    def _global_unused(self, buckets: Sequence[_Bucket]) -> set[tuple[int, int]]:
+        """``(bucket index, position)`` of the params of ``buckets`` that no rank used since
+        the last step: one all-reduce (MAX) of a byte per param. See [Note: Per-param
+        fragments] in ``shardkit.ddp._stepper``."""
+        live = [b for b in buckets if not b.grad_fresh]
+        if not live:  # nothing reduced since the last step (agreed: launches are collective)
+            return set()
+        used = [i in b.used for b in live for i in range(len(b.params))]
+        mask = torch.tensor(used, dtype=torch.uint8, device=live[0].device)
+        with phase("usage"):
+            self._comm.all_reduce(mask, op=dist.ReduceOp.MAX)
+        if all(used):  # this rank used every param: so did the union
+            return set()
+        flags = iter(mask.tolist())
+        return {(b.index, i) for b in live for i in range(len(b.params)) if not next(flags)}
 
     def _finish_reductions(self) -> None:
         """Waits for every in-flight reduce-scatter."""
@@ -415,42 +514,29 @@ class ShardedDataParallel(nn.Module):
             return None
         return (
             f"requires_grad changed after ShardedDataParallel was built, on rank {self.rank} "
-            f"(params {changed[:5]}, global indices); the bucket layout is fixed at "
-            f"construction: build a new ShardedOptimizer and ShardedDataParallel after "
-            f"changing requires_grad"
+            f"(params {changed[:5]}, global indices) after the last forward, or with "
+            f"auto_refresh_trainable=False: the gradients were reduced in the old bucket layout. "
+            f"Change requires_grad before a forward (on every rank alike), or call "
+            f"ddp.refresh_trainable() after changing it"
         )
 
-    # [Note: Deferred param gather]
-    # With overlap_param_gather the all-gathers of a step stay in flight when step() returns,
-    # issued in *reverse* bucket order (buckets are planned in reverse registration order, so
-    # this is roughly the order forward needs them; the order is the same on every rank). A
-    # pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
-    # holds params of that bucket, and by everything that reads or writes the flat buffers
-    # outside forward: wait_params(), the next step, clipping, state dicts. A bucket whose
-    # params no forward touches is waited for by the next step at the latest.
-    def _all_gather_params(self, buckets: Sequence[_Bucket]) -> None:
-        with torch.no_grad():
-            for b in reversed(buckets):
-                start, end = b.range_of(self.rank)
-                self._gathers[b.index] = self._comm.all_gather(b.flat, b.flat[start:end].clone())
-        if not self.overlap_param_gather:
-            self.wait_params()
-
     def wait_params(self) -> None:
-        """Waits for every param all-gather still in flight (``overlap_param_gather``)."""
-        if not self._gathers:
-            return
-        with phase("wait_params"):
-            for index in sorted(self._gathers, reverse=True):
-                self._comm.wait(self._gathers.pop(index))
+        """Waits for every param all-gather still in flight: call it before reading params
+        outside a forward between ``step()`` and the next forward (an EMA update, logging).
+        See [Note: Deferred param gather] in ``shardkit.ddp._gather``."""
+        self._gather.wait_all()
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters`` (and so ``parameters()``) of the wrapper, once the param
+        gathers in flight are done. The wrapped module's own ``parameters()`` does not wait:
+        see [Note: Deferred param gather] in ``shardkit.ddp._gather``."""
+        self.wait_params()
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self._gathers:
-            for index in self._module_buckets.get(module, ()):
-                pending = self._gathers.pop(index, None)
-                if pending is not None:
-                    with phase("wait_params", index):
-                        self._comm.wait(pending)
+        self._gather.before_module(module)
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.wait_params()
@@ -467,7 +553,7 @@ class ShardedDataParallel(nn.Module):
     ) -> None:
         """Drops the reduced gradients of ``units`` and the ``.grad`` of ``params`` (default:
         the units' params)."""
-        self._reducer.finish_all()
+        self._reducer.finish_all()  # not the param gathers: see [Note: Deferred param gather]
         for unit in units:
             self._reducer.consume(unit.buckets)
             unit.stepper.factors.clear()
@@ -566,7 +652,9 @@ class ShardedDataParallel(nn.Module):
         self._agree(_STATE_DICT)  # See [Note: Wrapper agreements]
         self._reducer.finish_all()
         self.wait_params()
-        return full_state_dict(unit.stepper, unit.buckets, unit.opt.param_groups, self.group)
+        return full_state_dict(
+            unit.stepper, unit.buckets, unit.opt.param_groups, self.group, unit.parked
+        )
 
     def load_optimizer_state_dict(
         self, state_dict: dict[str, Any], optimizer: int | ShardedOptimizer | None = None
@@ -576,7 +664,9 @@ class ShardedDataParallel(nn.Module):
         optimizer (``None``: the only one; else its index or itself)."""
         unit = self._unit(optimizer)
         self.wait_params()
-        load_full_state_dict(unit.stepper, unit.buckets, unit.opt.param_groups, state_dict)
+        unit.parked = load_full_state_dict(
+            unit.stepper, unit.buckets, unit.opt.param_groups, state_dict
+        )
 
     @property
     def comm_stats(self) -> CommStats:
@@ -594,145 +684,5 @@ class ShardedDataParallel(nn.Module):
                 if b.grad_shard is not None
             ),
             "staging": self._reducer.staging_bytes(),
-            "optimizer": sum(u.stepper.state_bytes() for u in self._units),
+            "optimizer": sum(u.stepper.state_bytes() + u.parked.nbytes() for u in self._units),
         }
-
-
-def _optimizers(given: object) -> list[ShardedOptimizer]:
-    items: list[object] = list(given) if isinstance(given, (list, tuple)) else [given]
-    if not items:
-        raise ValueError("sharded_optimizer is an empty list: pass at least one ShardedOptimizer")
-    opts: list[ShardedOptimizer] = []
-    for k, opt in enumerate(items):
-        if not isinstance(opt, ShardedOptimizer):
-            raise TypeError(
-                f"sharded_optimizer[{k}] must be a shardkit.optim.ShardedOptimizer (or OSS), got "
-                f"{type(opt).__name__}; wrap the params with ShardedOptimizer(params, optim=...)"
-            )
-        if opt.driver is not None:
-            raise ValueError(
-                f"sharded_optimizer[{k}] is already driven by {opt.driver.name}; an optimizer can "
-                f"be wrapped by one ShardedDataParallel (or overlap hook) only"
-            )
-        if opts and opt.group is not opts[0].group:
-            raise ValueError(
-                f"sharded_optimizer[{k}] shards over another process group than "
-                f"sharded_optimizer[0]; build every optimizer with the same group="
-            )
-        if any(opt is o for o in opts):
-            raise ValueError(f"sharded_optimizer[{k}] is given twice")
-        opts.append(opt)
-    return opts
-
-
-def _reduce_dtype(reduce_fp16: object, reduce_dtype: object) -> torch.dtype | None:
-    if not isinstance(reduce_fp16, bool):
-        raise TypeError(f"reduce_fp16 must be a bool, got {type(reduce_fp16).__name__}")
-    if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
-        raise ValueError(
-            f"reduce_dtype must be None or one of {[str(d) for d in _REDUCE_DTYPES]}, got "
-            f"{reduce_dtype!r}"
-        )
-    if reduce_fp16:
-        if reduce_dtype not in (None, torch.float16):
-            raise ValueError(
-                f"reduce_fp16=True means reduce_dtype=torch.float16, but reduce_dtype="
-                f"{reduce_dtype} was given too; pass one of them"
-            )
-        return torch.float16
-    return reduce_dtype if isinstance(reduce_dtype, torch.dtype) else None
-
-
-def _cap_bytes(elements: int | None, mb: float, name: str) -> int:
-    if elements is not None:
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
-            raise ValueError(
-                f"reduce_buffer_size must be a non-negative int (elements) or None, got "
-                f"{type(elements).__name__}: {elements!r}"
-            )
-        return max(1, elements * 4)
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-        raise ValueError(f"{name} must be a positive number of MiB, got {mb!r}")
-    return max(1, int(mb * (1 << 20)))
-
-
-def _check_params(module: nn.Module, per_opt: list[list[dict[str, Any]]]) -> None:
-    mine = {id(p) for p in module.parameters()}
-    seen: dict[int, int] = {}
-    for k, groups in enumerate(per_opt):
-        ps = [p for g in groups for p in g["params"]]
-        foreign = [i for i, p in enumerate(ps) if id(p) not in mine]
-        if foreign:
-            raise ValueError(
-                f"optimizer {k}'s params {foreign[:5]} (global indices) are not params of the "
-                f"module; build the ShardedOptimizer over module.parameters()"
-            )
-        for i, p in enumerate(ps):
-            if id(p) in seen:
-                raise ValueError(
-                    f"param {i} of optimizer {k} (shape {tuple(p.shape)}) is also in optimizer "
-                    f"{seen[id(p)]}; give every param to one optimizer only"
-                )
-            seen[id(p)] = k
-    params = [p for groups in per_opt for g in groups for p in g["params"]]
-    given = {id(p) for p in params}
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in given]
-    if missing:
-        raise ValueError(
-            f"trainable params {missing[:5]} of the module are in no optimizer: their "
-            f"gradients would never be reduced. Pass every trainable param to a "
-            f"ShardedOptimizer, or freeze them with requires_grad_(False) first."
-        )
-    for i, p in enumerate(params):
-        if p.requires_grad and not p.is_contiguous():
-            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
-
-
-def _agree_plan(prints: list[str], group: dist.ProcessGroup) -> None:
-    agree_values(
-        prints,
-        group,
-        "the gradient bucket plan (fingerprints per param group): build the model, the "
-        "optimizer's param groups and ShardedDataParallel's bucket caps identically on every "
-        "rank",
-    )
-
-
-def _structure(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(kind, name, shape, dtype) of every param and buffer, in registration order."""
-    return [
-        *(("param", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()),
-        *(("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()),
-    ]
-
-
-def _first_difference(gathered: list[Any]) -> str:
-    """The first (kind, name, shape, dtype) that differs between rank 0 and another rank."""
-    ref = gathered[0]
-    for r, mine in enumerate(gathered[1:], start=1):
-        for i in range(max(len(ref), len(mine))):
-            a = ref[i] if i < len(ref) else None
-            b = mine[i] if i < len(mine) else None
-            if a != b:
-
-                def show(x: Any) -> str:
-                    return "nothing" if x is None else f"{x[0]} {x[1]!r} {list(x[2])} {x[3]}"
-
-                return (
-                    f"entry {i} is {show(a)} on rank 0 but {show(b)} on rank {r} "
-                    f"(rank 0 has {len(ref)} params and buffers, rank {r} has {len(mine)})"
-                )
-    return "the structures differ"
-
-
-def _agree_structure(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Raises ``ValueError`` on every rank if ranks' modules differ in the count, names,
-    shapes or dtypes of their params or buffers (torch DDP's own check, with the first
-    difference named), before any broadcast could pair mismatched tensors."""
-    agree_values(
-        _structure(module),
-        group,
-        "the module's structure (params and buffers: names, shapes, dtypes); build the same "
-        "model on every rank. First difference",
-        describe=_first_difference,
-    )

@@ -8,18 +8,21 @@ indices over the sharded optimizer's param groups flattened, plus shardkit-optim
 format of ``ShardedOptimizer.state_dict()`` after consolidation, so either loads the other's
 dicts, and so does a plain torch optimizer (extra keys are ignored).
 
-A fragment bucket's state tensors (one per key, shaped like the rank's range) are all-gathered
-into the bucket's layout and cut per param; scalar state (``step``) is the same for every param
-of a fragment bucket, since they are stepped together. Whole-param state travels as objects
-from its owner. Loading cuts each rank's range out of the per-param tensors; a fragment bucket
-needs the same scalar state for all its params (a dict saved by a plain optimizer whose params
-were stepped a different number of times cannot be sharded this way: it raises).
+Fragment buckets hold one local tensor per param piece ([Note: Per-param fragments] in
+``shardkit.ddp._stepper``). Their per-element state (a tensor of one or more dims, shaped like
+the piece) is written into a zero buffer of the rank's range, all-gathered into the bucket's
+layout and cut per param; their scalar state (``step``, ASGD's ``eta`` / ``mu``) and which
+keys each param has travel as objects, and the pieces of one param must agree on them (they
+do: the ranks see the same global usage). Whole-param state travels as objects from its owner.
+Loading cuts each piece out of the per-param tensors and copies the param's scalars; it is not
+collective.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,80 +54,101 @@ def _groups_with_indices(param_groups: Sequence[dict[str, Any]]) -> list[dict[st
     return out
 
 
+@dataclass(frozen=True)
+class _PerElement:
+    """Marks a per-element state key of a fragment piece (its dtype), in the gathered meta."""
+
+    dtype: str
+
+
+def _fragment_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return _PerElement(str(v.dtype).removeprefix("torch."))
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and bool(torch.equal(a, b))
+    return bool(type(a) is type(b) and a == b)
+
+
+@dataclass
+class Parked:
+    """Optimizer state of params that are not trainable now (not in the bucket layout), kept
+    whole on every rank until they train again, as a plain optimizer keeps it. See [Note:
+    Trainable refresh] in ``shardkit.ddp._sharded_ddp``."""
+
+    state: dict[int, dict[str, Any]]
+    masters: dict[int, torch.Tensor]
+
+    def nbytes(self) -> int:
+        """Bytes of the parked tensors."""
+        tensors = [v for st in self.state.values() for v in st.values()]
+        tensors += list(self.masters.values())
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def full_state_dict(
     stepper: _Stepper,
     buckets: Sequence[_Bucket],
     param_groups: Sequence[dict[str, Any]],
     group: dist.ProcessGroup,
+    parked: Parked | None = None,
 ) -> dict[str, Any]:
     """The plain-torch optimizer state dict, on every rank. Collective.
 
-    See [Note: Optimizer state format].
+    See [Note: Optimizer state format]. ``parked``: the state of params outside the layout.
+
+    Raises:
+        RuntimeError: the pieces of a param disagree on its scalar state or keys (the ranks
+            did not step alike).
     """
     index = _index(param_groups)
     world = dist.get_world_size(group)
     local = stepper.local
-    state: dict[int, dict[str, Any]] = {}
-    masters: dict[int, torch.Tensor] = {}
-    frag = {id(e.bucket): e for e in stepper.all_entries() if e.position < 0}
-    # agree on the keys of each fragment bucket's state (equal on every rank by construction)
-    keys = {
-        b.index: sorted(local.state.get(frag[id(b)].opt, {})) if local is not None else []
-        for b in buckets
-        if b.elementwise
-    }
-    all_keys = all_gather_objects(keys, group)
-    if any(k != all_keys[0] for k in all_keys):
-        raise RuntimeError(
-            f"ShardedDataParallel: ranks hold different optimizer state keys per bucket "
-            f"({all_keys}); the ranks did not step the same buckets"
-        )
+    meta: dict[int, dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
     whole_masters: dict[int, torch.Tensor] = {}
-    for b in buckets:
-        if not b.elementwise:
-            continue
-        e = frag[id(b)]
-        st = local.state.get(e.opt, {}) if local is not None else {}
-        full: dict[str, Any] = {}
-        for k in keys[b.index]:
-            v = st[k]
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.shard:
-                full[k] = _gather(v, world, group)
-            else:
-                full[k] = v
-        mfull = _gather(e.master, world, group) if e.master is not None else None
-        for p, off in zip(b.params, b.offsets, strict=True):
-            gi = index[id(p)]
-            entry = {
-                k: (
-                    v[off : off + p.numel()].view(p.shape).clone()
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.numel
-                    else copy.deepcopy(v)
-                )
-                for k, v in full.items()
-            }
-            if entry:
-                state[gi] = entry
-            if mfull is not None:
-                masters[gi] = mfull[off : off + p.numel()].view(p.shape).clone()
     for e in stepper.all_entries():
-        if e.position >= 0:
-            gi = index[id(e.tensor)]
-            if local is not None and local.state.get(e.opt):
-                whole[gi] = {
-                    k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in local.state[e.opt].items()
-                }
-            if e.master is not None:
-                whole_masters[gi] = e.master.detach().cpu().clone()
-    if any(not b.elementwise for b in buckets):
-        device = buckets[0].device
-        for states, ms in all_gather_objects((whole, whole_masters), group):
-            for gi, st in states.items():
-                state[gi] = {k: _to(v, device) for k, v in st.items()}
-            for gi, m in ms.items():
-                masters[gi] = m.to(device)
+        gi = index[id(e.param)]
+        st = local.state.get(e.opt, {}) if local is not None else {}
+        if e.fragment:
+            if st:
+                meta[gi] = {k: _fragment_meta(v) for k, v in st.items()}
+            continue
+        if st:
+            whole[gi] = {
+                k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in st.items()
+            }
+        if e.master is not None:
+            whole_masters[gi] = e.master.detach().cpu().clone()
+    gathered = all_gather_objects((meta, whole, whole_masters), group)
+    merged: dict[int, dict[str, Any]] = {}
+    for rank, (m, _, _) in enumerate(gathered):
+        for gi, keys in m.items():
+            seen = merged.setdefault(gi, keys)
+            if seen.keys() != keys.keys() or not all(_same(seen[k], keys[k]) for k in keys):
+                raise RuntimeError(
+                    f"ShardedDataParallel: the pieces of param {gi} hold different optimizer "
+                    f"state on rank {rank} ({_show(keys)}) and on a lower rank ({_show(seen)}); "
+                    f"the ranks did not step it alike"
+                )
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for b in buckets:
+        if b.elementwise:
+            _gather_fragments(stepper, b, index, merged, world, group, state, masters)
+    device = buckets[0].device if buckets else torch.device("cpu")
+    for _, states, ms in gathered:
+        for gi, st in states.items():
+            state[gi] = {k: _to(v, device) for k, v in st.items()}
+        for gi, m in ms.items():
+            masters[gi] = m.to(device)
+    if parked is not None:
+        state = {**copy.deepcopy(parked.state), **state}
+        masters = {**{gi: m.clone() for gi, m in parked.masters.items()}, **masters}
     out: dict[str, Any] = {
         "state": dict(sorted(state.items())),
         "param_groups": _groups_with_indices(param_groups),
@@ -132,6 +156,59 @@ def full_state_dict(
     if stepper.master_dtype is not None:
         out[MASTER_KEY] = dict(sorted(masters.items()))
     return out
+
+
+def _show(keys: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(keys.items()))
+
+
+def _gather_fragments(
+    stepper: _Stepper,
+    b: _Bucket,
+    index: dict[int, int],
+    merged: dict[int, dict[str, Any]],
+    world: int,
+    group: dist.ProcessGroup,
+    state: dict[int, dict[str, Any]],
+    masters: dict[int, torch.Tensor],
+) -> None:
+    """Fills ``state`` / ``masters`` with the full state of fragment bucket ``b``'s params:
+    one all-gather per per-element key (and one of the masters). Collective; every rank
+    takes the same keys from ``merged``."""
+    local = stepper.local
+    mine = [e for e in stepper.all_entries() if e.bucket is b]
+    gis = [index[id(p)] for p in b.params]
+    dtypes: dict[str, str] = {}
+    for gi in gis:
+        for k, v in merged.get(gi, {}).items():
+            if isinstance(v, _PerElement):
+                dtypes.setdefault(k, v.dtype)
+    for gi in gis:
+        if gi in merged:
+            state[gi] = {k: _to(v, b.device) for k, v in merged[gi].items()}
+    for k, dtype in sorted(dtypes.items()):
+        buf = torch.zeros(b.shard, dtype=getattr(torch, dtype), device=b.device)
+        for e in mine:
+            v = local.state.get(e.opt, {}).get(k) if local is not None else None
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.numel() != e.tensor.numel():
+                    raise RuntimeError(
+                        f"ShardedDataParallel: state {k!r} of param {index[id(e.param)]} has "
+                        f"{v.numel()} elements, its piece on this rank {e.tensor.numel()}"
+                    )
+                buf[e.start : e.start + v.numel()].copy_(v.reshape(-1))
+        full = _gather(buf, world, group)
+        for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
+            if isinstance(merged.get(gi, {}).get(k), _PerElement):
+                state[gi][k] = full[off : off + p.numel()].view(p.shape).clone()
+    if stepper.has_master(b):
+        buf = torch.zeros(b.shard, dtype=stepper.master_dtype, device=b.device)
+        for e in mine:
+            if e.master is not None:
+                buf[e.start : e.start + e.master.numel()].copy_(e.master)
+        full = _gather(buf, world, group)
+        for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
+            masters[gi] = full[off : off + p.numel()].view(p.shape).clone()
 
 
 def _to(v: Any, device: torch.device) -> Any:
@@ -149,12 +226,14 @@ def load_full_state_dict(
     buckets: Sequence[_Bucket],
     param_groups: list[dict[str, Any]],
     state_dict: dict[str, Any],
-) -> None:
+) -> Parked:
     """Loads a plain-torch optimizer state dict into this rank's shards (not collective).
 
+    Returns the state of the params outside the bucket layout (not trainable now), to keep.
+
     Raises:
-        ValueError: the dict does not match the params (group count/sizes, shapes), or a
-            fragment bucket's params have different scalar state.
+        ValueError: the dict does not match the params (group count/sizes, shapes); nothing
+            is changed then.
     """
     if (
         not isinstance(state_dict, dict)
@@ -179,50 +258,60 @@ def load_full_state_dict(
     saved_state = {position.get(k, k): v for k, v in state_dict["state"].items()}
     saved_masters = {position.get(k, k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
     index = _index(param_groups)
+    new: list[tuple[_Entry, dict[str, Any], torch.Tensor | None]] = []
+    for e in stepper.all_entries():  # every piece checked before anything changes
+        gi = index[id(e.param)]
+        saved = saved_state.get(gi, {})
+        if not isinstance(saved, dict):
+            raise ValueError(f"state of param {gi} is {type(saved).__name__}, expected a dict")
+        master = saved_masters.get(gi)
+        if master is not None and (
+            not isinstance(master, torch.Tensor) or master.numel() != e.param.numel()
+        ):
+            raise ValueError(
+                f"master of param {gi} is {master!r:.80} but a tensor of shape "
+                f"{tuple(e.param.shape)} was expected: the state dict was saved for another model"
+            )
+        new.append((e, {k: _piece(e, gi, k, v) for k, v in saved.items()}, master))
     for g, sg in zip(param_groups, saved_groups, strict=True):
         g.update(copy.deepcopy(hyperparams(sg)))
     local = stepper.local
     if local is not None:
         for wg, lg in zip(param_groups, local.param_groups, strict=True):
             lg.update(hyperparams(wg))
-    for e in stepper.all_entries():
-        b = e.bucket
-        if e.position >= 0:
-            p = b.params[e.position]
-            gi = index[id(p)]
-            if local is not None:
-                local.state[e.opt] = {
-                    k: _like(v, e.opt, k) for k, v in saved_state.get(gi, {}).items()
-                }
-            _load_master(e, saved_masters.get(gi), None)
-            continue
-        start, end = b.range_of(stepper.rank)
-        entries = [saved_state.get(index[id(p)], {}) for p in b.params]
-        new: dict[str, Any] = {}
-        for k in sorted({k for st in entries for k in st}):
-            values = [st.get(k) for st in entries]
-            first = values[0]
-            if isinstance(first, torch.Tensor) and first.dim() > 0:
-                full = torch.zeros(b.numel, dtype=first.dtype, device=e.opt.device)
-                for p, off, v in zip(b.params, b.offsets, values, strict=True):
-                    if not isinstance(v, torch.Tensor) or v.numel() != p.numel():
-                        raise ValueError(
-                            f"state of param {index[id(p)]} key {k!r} is {v!r:.80} but a tensor "
-                            f"of shape {tuple(p.shape)} was expected"
-                        )
-                    full[off : off + p.numel()].copy_(v.reshape(-1))
-                new[k] = _like(full[start:end].clone(), e.opt, k)
-            else:
-                if any(_scalar(v) != _scalar(first) for v in values):
-                    raise ValueError(
-                        f"the params of bucket {b.index} have different {k!r} values "
-                        f"({[_scalar(v) for v in values]}); ShardedDataParallel steps a bucket's "
-                        f"params together and needs one value per bucket"
-                    )
-                new[k] = copy.deepcopy(first)
+    for e, st, master in new:
         if local is not None:
-            local.state[e.opt] = new
-        _load_master(e, None, [saved_masters.get(index[id(p)]) for p in b.params])
+            local.state[e.opt] = st
+        _load_master(e, master)
+    laid = {id(p) for b in buckets for p in b.params}
+    params = [p for g in param_groups for p in g["params"]]
+    return Parked(
+        {
+            gi: copy.deepcopy(st)
+            for gi, st in saved_state.items()
+            if isinstance(gi, int) and 0 <= gi < len(params) and id(params[gi]) not in laid
+        },
+        {
+            gi: m.detach().clone()
+            for gi, m in saved_masters.items()
+            if isinstance(gi, int) and 0 <= gi < len(params) and id(params[gi]) not in laid
+            and isinstance(m, torch.Tensor)
+        },
+    )  # fmt: skip
+
+
+def _piece(e: _Entry, gi: int, key: str, v: Any) -> Any:
+    """Entry ``e``'s part of a param's saved state value (see [Note: Optimizer state
+    format])."""
+    if not e.fragment or not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return _like(v, e.opt, key)
+    p = e.param
+    if v.numel() != p.numel():
+        raise ValueError(
+            f"state of param {gi} key {key!r} has shape {tuple(v.shape)} but the param has shape "
+            f"{tuple(p.shape)}: the state dict was saved for another model"
+        )
+    return _like(v.reshape(-1)[e.lo : e.lo + e.tensor.numel()], e.opt, key)
 
 
 def _scalar(v: Any) -> Any:
@@ -237,30 +326,16 @@ def _like(v: Any, t: torch.Tensor, key: str) -> Any:
     return v.to(device=t.device, dtype=t.dtype).clone()
 
 
-def _load_master(
-    e: _Entry, whole: torch.Tensor | None, parts: list[torch.Tensor | None] | None
-) -> None:
+def _load_master(e: _Entry, saved: torch.Tensor | None) -> None:
     """Master values from the dict, or from the live (just loaded model) values."""
     if e.master is None:
         return
     with torch.no_grad():
-        e.master.copy_(e.tensor)
-        if whole is not None:
-            e.master.copy_(whole.reshape(e.master.shape))
-        elif parts is not None and any(v is not None for v in parts):
-            b = e.bucket
-            full = b.flat.to(e.master.dtype)
-            for p, off, v in zip(b.params, b.offsets, parts, strict=True):
-                if v is not None:
-                    full[off : off + p.numel()].copy_(v.reshape(-1))
-            start, end = b.range_of(_rank_of(e))
-            e.master.copy_(full[start:end])
-
-
-def _rank_of(e: _Entry) -> int:
-    """The rank whose range ``e`` (a fragment entry) is: from its storage offset."""
-    b = e.bucket
-    return (e.tensor.storage_offset() - b.flat.storage_offset()) // b.shard
+        if saved is None:
+            e.master.copy_(e.tensor)
+            return
+        flat = saved.reshape(-1)[e.lo : e.lo + e.master.numel()]
+        e.master.copy_(flat.reshape(e.master.shape))
 
 
 # [Note: DCP sharded checkpoints]

@@ -2,18 +2,31 @@
 
 Each param group of the sharded optimizer becomes one group of a *local* optimizer of the same
 class and hyper-parameters, whose params are what this rank owns (see [Note: Owner-contiguous
-buckets]): for a fragment bucket, the rank's range of the flat buffer as one 1-D tensor; for a
-whole-param bucket, the params it owns. Their ``.grad`` are views of the bucket's reduced
-``grad_shard``. With ``master_dtype`` (shardkit-optim's [Note: Master weights]) each stepped
-tensor of another dtype gets a master copy in ``master_dtype``, created from the live values,
-which the local optimizer steps instead; the new values are cast back into the buffer after
-the step, and the gradients are upcast just before it, bucket by bucket, with the pending
-factors (clip coefficient) applied in fp32.
+buckets]), one tensor per param: for a fragment bucket, the part of each param that falls in
+the rank's range of the flat buffer, as a 1-D view; for a whole-param bucket, the params it
+owns. Their ``.grad`` are views of the bucket's reduced ``grad_shard``. With ``master_dtype``
+(shardkit-optim's [Note: Master weights]) each stepped tensor of another dtype gets a master
+copy in ``master_dtype``, created from the live values, which the local optimizer steps
+instead; the new values are cast back into the buffer after the step, and the gradients are
+upcast just before it, bucket by bucket, with the pending factors (clip coefficient) applied in
+fp32.
+
+[Note: Per-param fragments]
+A fragment bucket's range is stepped as one tensor per param piece, not as one flat tensor,
+so that every param keeps its own optimizer state *and its own step count*, as with a plain
+optimizer: a param that no rank used in a step gets no gradient (``.grad`` is ``None`` for the
+local optimizer) and is skipped, its values and state unchanged, exactly as DDP
+(``find_unused_parameters=True``) + the plain optimizer leave it; the next time it is used,
+Adam's bias correction sees its own count. The pieces of one param on different ranks carry
+the same scalar state (they see the same global usage), so a full state dict is the pieces'
+per-element state concatenated and the scalars of any piece. Which params were used is
+``_Bucket.used`` (this rank: a real gradient staged since the last step), OR-ed over the ranks
+by one small all-reduce of a usage mask per step (``ShardedDataParallel._global_unused``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,25 +44,52 @@ def hyperparams(group: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(eq=False)
 class _Entry:
-    """One tensor the local optimizer steps."""
+    """One tensor the local optimizer steps: a param, or this rank's piece of one."""
 
     bucket: _Bucket
+    position: int
+    """Position of the param in the bucket."""
     start: int
     """Start of its gradient in ``bucket.grad_shard``."""
     tensor: torch.Tensor
-    """The model-side tensor (a view of the bucket's buffer)."""
+    """The model-side tensor (a view of the bucket's buffer): the param itself (whole-param
+    bucket) or a 1-D piece of it (fragment bucket)."""
     master: torch.Tensor | None
-    position: int = -1
-    """Position of the param in the bucket (whole-param entries; -1 for a fragment)."""
+    lo: int = 0
+    """First element of the param this entry covers (0 for a whole param)."""
 
     @property
     def opt(self) -> torch.Tensor:
         return self.tensor if self.master is None else self.master
 
+    @property
+    def fragment(self) -> bool:
+        return self.bucket.elementwise
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.bucket.params[self.position]
+
     def grad(self) -> torch.Tensor:
         shard = self.bucket.grad_shard
         assert shard is not None  # callers check grad_fresh first
         return shard[self.start : self.start + self.tensor.numel()].view_as(self.tensor)
+
+
+def fragment_pieces(b: _Bucket, rank: int) -> list[tuple[int, int, int]]:
+    """``(position, lo, hi)``: the element range ``[lo, hi)`` of the bucket's buffer that
+    ``rank`` steps for each param of fragment bucket ``b`` (a param of no elements belongs to
+    the rank whose range holds its offset). See [Note: Per-param fragments]."""
+    start, end = b.range_of(rank)
+    out = []
+    for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
+        n = p.numel()
+        lo, hi = max(off, start), min(off + n, end)
+        if hi > lo:
+            out.append((i, lo, hi))
+        elif n == 0 and min(off // max(b.shard, 1), b.world - 1) == rank:
+            out.append((i, off, off))
+    return out
 
 
 class _Stepper:
@@ -69,12 +109,18 @@ class _Stepper:
         self.factors: list[torch.Tensor] = []
         self.entries: list[list[_Entry]] = [[] for _ in param_groups]
         for b in buckets:
-            start, end = b.range_of(rank)
-            if b.elementwise:
-                self.entries[b.group].append(self._entry(b, 0, b.flat[start:end], -1))
+            start, _ = b.range_of(rank)
+            if b.elementwise:  # See [Note: Per-param fragments]
+                for i, lo, hi in fragment_pieces(b, rank):
+                    piece = b.flat[lo:hi]
+                    self.entries[b.group].append(
+                        self._entry(
+                            b, i, min(max(lo - start, 0), b.shard), piece, lo - b.offsets[i]
+                        )
+                    )
             else:
                 for i, p in b.owned_params(rank):
-                    self.entries[b.group].append(self._entry(b, b.offsets[i] - start, p, i))
+                    self.entries[b.group].append(self._entry(b, i, b.offsets[i] - start, p, 0))
         groups = [
             {**hyperparams(g), "params": [e.opt for e in es]}
             for g, es in zip(param_groups, self.entries, strict=True)
@@ -83,11 +129,11 @@ class _Stepper:
         if any(g["params"] for g in groups):
             self.local = optim_cls(groups, **defaults)
 
-    def _entry(self, b: _Bucket, start: int, t: torch.Tensor, pos: int) -> _Entry:
+    def _entry(self, b: _Bucket, pos: int, start: int, t: torch.Tensor, lo: int) -> _Entry:
         master = None
         if self.master_dtype is not None and t.dtype != self.master_dtype:
             master = t.detach().to(self.master_dtype, copy=True)
-        return _Entry(b, start, t, master, pos)
+        return _Entry(b, pos, start, t, master, lo)
 
     def all_entries(self) -> list[_Entry]:
         return [e for es in self.entries for e in es]
@@ -105,8 +151,14 @@ class _Stepper:
         return n
 
     # ------------------------------------------------------------------ step
-    def step(self, param_groups: Sequence[dict[str, Any]]) -> None:
-        """One local step on the reduced gradients; see the module docstring."""
+    def step(
+        self, param_groups: Sequence[dict[str, Any]], unused: Set[tuple[int, int]] = frozenset()
+    ) -> None:
+        """One local step on the reduced gradients; see the module docstring.
+
+        ``unused``: ``(bucket index, position)`` of the params no rank used since the last
+        step; they are skipped (see [Note: Per-param fragments]).
+        """
         local = self.local
         if local is None:
             self.factors.clear()
@@ -115,7 +167,11 @@ class _Stepper:
             lg.update(hyperparams(wg))
         try:
             for e in self.all_entries():
-                if e.bucket.grad_fresh or e.bucket.grad_shard is None:
+                if (
+                    e.bucket.grad_fresh
+                    or e.bucket.grad_shard is None
+                    or (e.bucket.index, e.position) in unused
+                ):
                     e.opt.grad = None
                     continue
                 g = e.grad()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from shardkit.ddp._layout import _Bucket
-from shardkit.ddp._state_dict import checkpoint_shard
+from shardkit.ddp._state_dict import Parked, checkpoint_shard
 from shardkit.ddp._stepper import _Stepper
 from shardkit.optim import ShardedOptimizer, ShardOwner
 
@@ -76,7 +76,15 @@ class _Unit(ShardOwner):
         self.buckets = buckets
         self.stepper = stepper
         self.trainable = [p.requires_grad for p in self.params()]
-        """``requires_grad`` of each of the optimizer's params at construction."""
+        """``requires_grad`` of each of the optimizer's params when the layout was built."""
+        self.parked = Parked({}, {})
+        """Optimizer state of the params outside the layout (see [Note: Trainable refresh])."""
+
+    def rebuild(self, buckets: list[_Bucket], stepper: _Stepper) -> None:
+        """Takes the buckets and stepper of a rebuilt layout (``refresh_trainable``)."""
+        self.buckets = buckets
+        self.stepper = stepper
+        self.trainable = [p.requires_grad for p in self.params()]
 
     def params(self) -> list[torch.Tensor]:
         """The optimizer's params, in its global order."""

@@ -342,7 +342,7 @@ class ZeroOverlap:
             # The hooks are about to step the shards: agree first (hyper-parameters, the call
             # itself), so a step one rank refuses moves no param on any rank (shardkit-optim's
             # [Note: Call agreement]). The loop's zero.step() agrees once more, cheaply.
-            self.zero.check_step()
+            self.zero.check_step(self._unconsumed_error())
         with phase("reduce", index):
             if self.config.reduce_to_owner:
                 fut = self._reduce_to_owners(bucket)  # See [Note: Reduce to owner].
@@ -386,6 +386,22 @@ class ZeroOverlap:
         return everything.then(_finish)
 
     # ------------------------------------------------------------------ internals
+    def _unconsumed_error(self) -> str | None:
+        """This rank's reason to refuse stepping in this backward: the previous synchronised
+        backward's update was not consumed by a ``step()`` yet. With DDP two synchronised
+        backwards accumulate ``avg(g1) + avg(g2)`` for one step; the hooks step inside each
+        backward, so a second one would apply a second update. Raised on every rank by the
+        agreement, before any reduction of this backward."""
+        if not self._driver.marked:
+            return None
+        return (
+            f"a second synchronised backward before optimizer.step(): {self._driver.name} steps "
+            f"the optimizer inside each synchronised backward, so gradients of two backwards "
+            f"cannot accumulate into one step as with plain DDP. Accumulate under ddp.no_sync() "
+            f"(the last backward synchronises), or call zero.step() after every synchronised "
+            f"backward"
+        )
+
     def _start_iteration(self) -> None:
         self._drain()
         self._stepped = False
@@ -525,6 +541,11 @@ class _HookDriver(StepDriver):
     def mark_stepped(self) -> None:
         """The hooks stepped every param of this backward."""
         self._marked = True
+
+    @property
+    def marked(self) -> bool:
+        """Whether the hooks stepped in a backward whose update no ``step()`` consumed yet."""
+        return self._marked
 
     def step(self, closure: Any = None, **kwargs: Any) -> None:
         hook = self._hook()

@@ -18,7 +18,8 @@ def live_storages(
     Counts every tensor reachable from Python (``gc.get_objects()``) and the tensors in
     ``extra`` (pass each param's ``.grad``: a gradient held only by autograd has no Python
     object until it is read). Views share their storage's entry; meta tensors and empty
-    storages are left out. Subtract the keys alive before the code under test ran to get what
+    storages are left out, and so are wrapper subclasses without a storage of their own (a
+    ``DTensor``: its local tensor is counted instead). Subtract the keys alive before the code under test ran to get what
     that code holds. C++-only allocations (a backend's internal buffers, allocator caches) are
     not Python objects and are not counted.
 
@@ -35,7 +36,12 @@ def live_storages(
             continue
         if device_type is not None and obj.device.type != device_type:
             continue
-        st = obj.untyped_storage()
-        if st.nbytes():
-            out[st.data_ptr()] = st.nbytes()
+        try:
+            st = obj.untyped_storage()
+            if st.nbytes():
+                out[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            # a wrapper subclass without storage of its own (DTensor, FSDP2's params): the
+            # tensors it wraps are Python objects too, counted on their own
+            continue
     return out
