@@ -133,3 +133,40 @@ def test_refresh_refuses_pending_gradients_and_unknown_params() -> None:
     extra.requires_grad_(True)
     with pytest.raises(ValueError, match="in no optimizer"):
         sdp2(torch.randn(3, 5))
+
+
+@world(2, timeout=60)
+def test_refresh_with_two_optimizers_keeps_each_state() -> None:
+    """fairscale's ``ShardedDataParallel(model, [opt1, opt2])``: freezing a param of the second
+    optimizer rebuilds both layouts and each optimizer keeps its own state."""
+    ref = _net()
+    model = copy.deepcopy(ref)
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    ref_opts = [
+        torch.optim.Adam(ref_params[:2], lr=1e-2),
+        torch.optim.SGD(ref_params[2:], lr=0.05, momentum=0.9),
+    ]
+    opts = [
+        ShardedOptimizer(params[:2], optim=torch.optim.Adam, lr=1e-2),
+        ShardedOptimizer(params[2:], optim=torch.optim.SGD, lr=0.05, momentum=0.9),
+    ]
+    sdp = ShardedDataParallel(model, opts, reduce_buffer_size=23)
+    for step in range(4):
+        frozen = step in (1, 2)
+        ref[2].weight.requires_grad_(not frozen)
+        model[2].weight.requires_grad_(not frozen)
+        x, y = _batch(step)
+        nn.functional.mse_loss(ref(x), y).backward()
+        _average(ref)
+        nn.functional.mse_loss(sdp(x), y).backward()
+        for o in (*ref_opts, *opts):
+            o.step()
+            o.zero_grad()
+        for (n, a), b in zip(ref.named_parameters(), sdp.parameters(), strict=True):
+            assert torch.equal(a, b), f"step {step} {n}: {(a - b).abs().max().item()}"
+    for k, (o, ro) in enumerate(zip(opts, ref_opts, strict=True)):
+        have, want = sdp.optimizer_state_dict(k)["state"], ro.state_dict()["state"]
+        assert sorted(have) == sorted(want), k
+        for i, st in want.items():
+            for key, v in st.items():
+                assert torch.equal(torch.as_tensor(have[i][key]), torch.as_tensor(v)), (k, i, key)
