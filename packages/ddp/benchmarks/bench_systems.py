@@ -6,11 +6,16 @@ W = 1024, 8.4M params, so that four ranks holding every system at once fit the 2
 batch 32, AdamW (``fused=True`` everywhere it is accepted), Gloo on CPU, spawned ranks, one
 thread each. Systems:
 
-- ``ddp``: torch DDP + AdamW (the reference, ratio 1.00);
+- ``ddp``: torch DDP + AdamW (the reference, ratio 1.00). Every DDP here runs with
+  ``gradient_as_bucket_view=True`` (its best configuration: the gradients are views of its
+  reduction buckets, so no copy, and the buckets are the ``.grad`` tensors, which the live count
+  sees; without it DDP's buckets are C++-only allocations no Python count can see);
 - ``torch_zero``: DDP + torch ``ZeroRedundancyOptimizer(AdamW)``;
 - ``fairscale``: fairscale ``OSS(AdamW)`` + fairscale ``ShardedDataParallel``;
 - ``fsdp2``: torch ``fully_shard`` per layer and at the root (FSDP2) + AdamW on its DTensors;
-- ``shardkit_zero1``: DDP + ``ShardedOptimizer(AdamW)``;
+- ``shardkit_zero1``: DDP + ``ShardedOptimizer(AdamW)``; ``shardkit_zero1_overlap``: the same,
+  stepped bucket by bucket inside backward by shardkit-overlap's comm hook
+  (``register_zero_overlap``);
 - ``shardkit_zero2``: ``ShardedDataParallel`` (param gathers overlapped with the next forward,
   the default), ``shardkit_zero2_sync_gather`` (``overlap_param_gather=False``) and
   ``shardkit_zero2_keep_staging`` (``keep_staging_buffers=True``: the staging pool stays
@@ -68,6 +73,7 @@ _FP32 = (
     "fairscale",
     "fsdp2",
     "shardkit_zero1",
+    "shardkit_zero1_overlap",
     "shardkit_zero2",
     "shardkit_zero2_sync_gather",
     "shardkit_zero2_keep_staging",
@@ -121,13 +127,18 @@ def _build(name: str, width: int) -> _System:
     fused = {"lr": 1e-4, "fused": True}
     if name in ("ddp", "ddp_bf16_autocast"):
         m = _model(width)
-        return _System(name, DDP(m), _adamw(m.parameters()), autocast=name != "ddp")
+        return _System(
+            name,
+            DDP(m, gradient_as_bucket_view=True),
+            _adamw(m.parameters()),
+            autocast=name != "ddp",
+        )
     if name == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         m = _model(width)
         opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, **fused)
-        return _System(name, DDP(m), opt)
+        return _System(name, DDP(m, gradient_as_bucket_view=True), opt)
     if name == "fairscale":
         from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
         from fairscale.optim import OSS
@@ -150,7 +161,19 @@ def _build(name: str, width: int) -> _System:
         return _System(name, m, _adamw(m.parameters()))
     if name == "shardkit_zero1":
         m = _model(width)
-        return _System(name, DDP(m), ShardedOptimizer(m.parameters(), torch.optim.AdamW, **fused))
+        return _System(
+            name,
+            DDP(m, gradient_as_bucket_view=True),
+            ShardedOptimizer(m.parameters(), torch.optim.AdamW, **fused),
+        )
+    if name == "shardkit_zero1_overlap":
+        from shardkit.overlap import register_zero_overlap
+
+        m = _model(width)
+        ddp = DDP(m, gradient_as_bucket_view=True)
+        zero = ShardedOptimizer(m.parameters(), torch.optim.AdamW, **fused)
+        register_zero_overlap(ddp, zero)
+        return _System(name, ddp, zero)
     if name.startswith("shardkit_zero2"):
         bf16 = name.endswith("bf16")
         m = _model(width, torch.bfloat16 if bf16 else torch.float32)
