@@ -99,10 +99,12 @@ class ShardedDataParallel(nn.Module):
         overlap_param_gather: ``True`` (default): the param all-gathers of ``step()`` are
             left in flight, in forward order, and a forward pre-hook of each submodule waits
             only for the buckets of its own params, so the gathers overlap the next forward
-            (FSDP2's prefetch, Megatron's overlap-param-gather). ``state_dict()`` of this module and of the wrapped module, ``copy.deepcopy``, the
-            optimizer's state dicts and checkpoints, clipping and the next step wait by
-            themselves; params read anywhere else before the next forward (an EMA update,
-            logging a norm) need :meth:`wait_params` first. Params the first forward reads
+            (FSDP2's prefetch, Megatron's overlap-param-gather). The wrapper's
+            ``parameters()``, ``state_dict()`` / ``load_state_dict()`` of any module holding
+            params, ``copy.deepcopy``, the optimizer's state dicts and checkpoints, clipping
+            and the next step wait by themselves (``zero_grad()`` does not: it touches no
+            param); params read anywhere else before the next forward (an EMA update, logging
+            a norm, the wrapped module's own ``parameters()``) need :meth:`wait_params` first. Params the first forward reads
             before any module owning them ran (tied or functional use) are found by a probe
             and gathered synchronously. ``False``: ``step()`` returns once every param is
             gathered. See [Note: Deferred param gather] and [Note: Gather probe] in
