@@ -57,8 +57,8 @@ def test_params_read_outside_their_module_are_gathered_at_the_step(overlap: bool
             nn.functional.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            # no zero_grad() (it waits for the gathers; the step consumed the gradients): the
-            # next forward is what waits, module by module
+            # no zero_grad() needed (the step consumed the gradients): the next forward is
+            # what waits for the gathers, module by module
             nn.functional.mse_loss(sdp(x), y).backward()
             opt.step()
             if overlap:

@@ -6,6 +6,7 @@ How the wrapped optimizers are driven: [Note: Optimizer hand-over] in ``shardkit
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -200,16 +201,15 @@ class ShardedDataParallel(nn.Module):
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         self._units: list[_Unit] = []
         self._grad_hooks: list[Any] = []
-        self._gather = _ParamGather(self._comm, self.rank, overlap=True)
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got {overlap_param_gather!r}")
+        self.overlap_param_gather = overlap_param_gather
+        self._gather = _ParamGather(self._comm, self.rank, overlap_param_gather)
         self._build(sync_models_at_startup)
         self.last_closure_loss: Any = None
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
         self.device_type = next(iter(devices)).type if devices else "cpu"
-        if not isinstance(overlap_param_gather, bool):
-            raise TypeError(f"overlap_param_gather must be a bool, got {overlap_param_gather!r}")
-        self.overlap_param_gather = overlap_param_gather
-        self._gather.overlap = overlap_param_gather
         self._handles: list[Any] = []
         for sub in module.modules():
             if sub is module or next(sub.parameters(recurse=False), None) is not None:
@@ -380,7 +380,7 @@ class ShardedDataParallel(nn.Module):
                 ``zero_grad()`` first), or the ranks are not all refreshing.
         """
         flags = [p.requires_grad for p in self.module.parameters()]
-        digest = int.from_bytes(bytes(flags), "big") % (1 << 61) + len(flags)
+        digest = int.from_bytes(hashlib.sha256(bytes(flags)).digest()[:7], "big")
         if not self._agree(_REFRESH, digest=digest):
             raise ValueError(
                 "ShardedDataParallel.refresh_trainable(): ranks changed requires_grad on "
@@ -392,8 +392,7 @@ class ShardedDataParallel(nn.Module):
                 "step() or zero_grad() before changing which params train"
             )
         check_params(self.module, [o.param_groups for o in self.sharded_optimizers])
-        self._reducer.finish_all()
-        self.wait_params()
+        # each optimizer_state_dict() waits for the reductions and the param gathers first
         states = [self.optimizer_state_dict(u.index) for u in self._units]
         with torch.no_grad():
             for b in self._buckets:
