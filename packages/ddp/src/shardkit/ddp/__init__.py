@@ -2,8 +2,8 @@
 
 from shardkit.ddp.__about__ import __version__
 from shardkit.ddp._comm import CommStats
-from shardkit.ddp._layout import ELEMENTWISE_OPTIMIZERS, is_elementwise
 from shardkit.ddp._sharded_ddp import ShardedDataParallel
+from shardkit.optim import ELEMENTWISE_OPTIMIZERS, is_elementwise
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",

@@ -132,6 +132,15 @@ class _Comm:
             work = _all_gather(out, inp, group=self.group, async_op=True)
         return _Pending("all_gather", cast("dist.Work | None", work))
 
+    def all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        """Blocking, counted all-gather over this wrapper's group (shardkit-optim's
+        ``AllGather``, for the state dicts)."""
+        if group is not self.group:
+            raise ValueError("ShardedDataParallel gathers state over its own process group only")
+        self.wait(self.all_gather(out, inp))
+
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Blocking all-reduce (small control values: norms, flags)."""
         self._count("all_reduce", t)

@@ -87,8 +87,7 @@ class _ParamGather:
                 # In place: this rank's range is both the input and its own output chunk (NCCL
                 # supports it; Gloo gathers into a buffer of its own and copies back). Nothing
                 # writes the range before the gather is waited for: the next step waits first.
-                start, end = b.range_of(self.rank)
-                self.pending[b.index] = self.comm.all_gather(b.flat, b.flat[start:end])
+                self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.rank))
         if not self.overlap:
             self.wait_all()
             return

@@ -334,7 +334,7 @@ class _Reducer:
         if grad is None or type(grad) is _ReducedGrad:  # no new gradient in this pass
             view.zero_()
             return
-        b.used.add(i)  # See [Note: Per-param fragments] in shardkit.ddp._stepper
+        b.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
         if view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
             torch.mul(grad.detach(), self.scale, out=view)
         else:  # a wider reduce dtype: upcast first, scale in it ([Note: Reduce dtype])

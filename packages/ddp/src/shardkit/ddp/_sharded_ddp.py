@@ -24,14 +24,21 @@ from shardkit.ddp._checks import (
 )
 from shardkit.ddp._comm import CommStats, _Comm
 from shardkit.ddp._gather import _ParamGather
-from shardkit.ddp._layout import _Bucket, build_buckets, is_elementwise
+from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
 from shardkit.ddp._ranges import phase
 from shardkit.ddp._reducer import _Reducer, check_clip, is_placeholder
-from shardkit.ddp._state_dict import full_state_dict, load_full_state_dict
-from shardkit.ddp._stepper import _Stepper
 from shardkit.ddp._unit import _Host, _Unit
-from shardkit.optim import ShardedOptimizer, agree_call, register_call
+from shardkit.optim import (
+    ShardedOptimizer,
+    ShardStepper,
+    agree_call,
+    build_flat_buckets,
+    gather_full_state_dict,
+    is_elementwise,
+    load_full_state_dict,
+    register_call,
+)
 from shardkit.partition import check_consistent
 from torch import nn
 
@@ -56,7 +63,7 @@ class ShardedDataParallel(nn.Module):
     Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
     the optimizer state (and of the fp32 masters with ``master_dtype``), plus, during backward
     only, at most two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
-    See [Note: Owner-contiguous buckets] (``shardkit.ddp._layout``) for the layout and
+    See [Note: Owner-contiguous buckets] (``shardkit.optim._flat``) for the layout and
     [Note: Optimizer hand-over] (``shardkit.ddp._unit``) for how the optimizers are driven.
 
     Gradients and clipping: after a synchronised backward a param's ``.grad`` is a memory-less
@@ -237,9 +244,12 @@ class ShardedDataParallel(nn.Module):
         prints: list[str] = [f"reduce_dtype={self.reduce_dtype}"]
         for k, o in enumerate(opts):
             flags = [is_elementwise(type(o.optim), self._elementwise)] * len(o.param_groups)
-            mine, group_prints = build_buckets(
-                o.param_groups, flags, self.world_size, cap, first_cap, first_index=len(buckets)
-            )
+            mine, group_prints = build_flat_buckets(
+                o.param_groups, flags, self.world_size, cap, first_cap,
+                first_index=len(buckets), bucket_type=_Bucket,
+            )  # fmt: skip
+            for bucket in mine:
+                bucket.reset_backward()
             spans.append((len(buckets), len(buckets) + len(mine)))
             buckets += mine
             prints += [f"optimizer {k}: {fp}" for fp in group_prints]
@@ -248,7 +258,7 @@ class ShardedDataParallel(nn.Module):
         if sync:
             self._sync_at_startup([p for o in opts for g in o.param_groups for p in g["params"]])
         for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True)):
-            stepper = _Stepper(
+            stepper = ShardStepper(
                 buckets[a:b], type(o.optim), o.param_groups, dict(o.defaults), self.rank,
                 o.master_dtype,
             )  # fmt: skip
@@ -486,7 +496,7 @@ class ShardedDataParallel(nn.Module):
     def _global_unused(self, buckets: Sequence[_Bucket]) -> set[tuple[int, int]]:
         """``(bucket index, position)`` of the params of ``buckets`` that no rank used since
         the last step: one all-reduce (MAX) of a byte per param. See [Note: Per-param
-        fragments] in ``shardkit.ddp._stepper``."""
+        fragments] in ``shardkit.optim._shard_stepper``."""
         live = [b for b in buckets if not b.grad_fresh]
         if not live:  # nothing reduced since the last step (agreed: launches are collective)
             return set()
@@ -647,14 +657,19 @@ class ShardedDataParallel(nn.Module):
         """The full state dict of a wrapped optimizer (``None``: the only one; else its index
         or itself) in plain torch format, on every rank. Collective.
 
-        See [Note: Optimizer state format] in ``shardkit.ddp._state_dict``.
+        See [Note: Optimizer state format] in ``shardkit.optim._shard_state``.
         """
         unit = self._unit(optimizer)
         self._agree(_STATE_DICT)  # See [Note: Wrapper agreements]
         self._reducer.finish_all()
         self.wait_params()
-        return full_state_dict(
-            unit.stepper, unit.buckets, unit.opt.param_groups, self.group, unit.parked
+        return gather_full_state_dict(
+            unit.stepper,
+            unit.buckets,
+            unit.opt.param_groups,
+            self.group,
+            parked=unit.parked,
+            all_gather=self._comm.all_gather_into,
         )
 
     def load_optimizer_state_dict(

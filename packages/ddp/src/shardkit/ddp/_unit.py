@@ -31,9 +31,7 @@ from typing import Any
 
 import torch
 from shardkit.ddp._layout import _Bucket
-from shardkit.ddp._state_dict import Parked, checkpoint_shard
-from shardkit.ddp._stepper import _Stepper
-from shardkit.optim import ShardedOptimizer, ShardOwner
+from shardkit.optim import ParkedState, ShardedOptimizer, ShardOwner, ShardStepper, checkpoint_part
 
 __all__: list[str] = []
 
@@ -67,7 +65,7 @@ class _Unit(ShardOwner):
         index: int,
         opt: ShardedOptimizer,
         buckets: list[_Bucket],
-        stepper: _Stepper,
+        stepper: ShardStepper,
     ) -> None:
         self.host = host
         self.index = index
@@ -77,10 +75,10 @@ class _Unit(ShardOwner):
         self.stepper = stepper
         self.trainable = [p.requires_grad for p in self.params()]
         """``requires_grad`` of each of the optimizer's params when the layout was built."""
-        self.parked = Parked({}, {})
+        self.parked = ParkedState({}, {})
         """Optimizer state of the params outside the layout (see [Note: Trainable refresh])."""
 
-    def rebuild(self, buckets: list[_Bucket], stepper: _Stepper) -> None:
+    def rebuild(self, buckets: list[_Bucket], stepper: ShardStepper) -> None:
         """Takes the buckets and stepper of a rebuilt layout (``refresh_trainable``)."""
         self.buckets = buckets
         self.stepper = stepper
@@ -112,10 +110,10 @@ class _Unit(ShardOwner):
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.host.load_optimizer_state_dict(state_dict, self.index)
 
-    # See [Note: DCP sharded checkpoints] in ``shardkit.ddp._state_dict``.
+    # See [Note: DCP sharded checkpoints] in ``shardkit.optim._shard_state``.
     def checkpoint_state_dict(self) -> dict[str, Any]:
         full = self.host.optimizer_state_dict(self.index)
-        return checkpoint_shard(full, self.host.rank, self.host.world_size)
+        return checkpoint_part(full, self.host.rank, self.host.world_size)
 
     def checkpoint_indices(self) -> list[int]:
         return list(range(len(self.params())))

@@ -1,4 +1,10 @@
-"""shardkit.optim: ZeRO-1 sharded optimizer wrapping any torch optimizer, with state consolidation and sharded checkpoints."""
+"""shardkit.optim: ZeRO-1 sharded optimizer wrapping any torch optimizer, with state consolidation and sharded checkpoints.
+
+It also owns the sharding engine the other distributions drive (``docs/engine.md``): the
+ZeRO-1 partition (:class:`ShardLayout`) and driver contract (:class:`StepDriver`,
+:class:`ShardOwner`), and ZeRO-2's owner-contiguous flat buckets (:class:`FlatBucket`), the
+local step of a rank's shards (:class:`ShardStepper`) and their state dicts.
+"""
 
 from shardkit.optim.__about__ import __version__
 from shardkit.optim._agreement import (
@@ -13,16 +19,36 @@ from shardkit.optim._agreement import (
 from shardkit.optim._checkpoint import load_consolidated, load_sharded, save_sharded
 from shardkit.optim._compat import OSS, ZeroRedundancyOptimizer
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
+from shardkit.optim._flat import (
+    ELEMENTWISE_OPTIMIZERS,
+    FlatBucket,
+    build_flat_buckets,
+    is_elementwise,
+)
 from shardkit.optim._grad_scaler import ShardedGradScaler
 from shardkit.optim._safe_reader import SafeFileSystemReader, UnsafeCheckpointError
+from shardkit.optim._shard_state import (
+    AllGather,
+    ParkedState,
+    checkpoint_part,
+    gather_full_state_dict,
+    load_full_state_dict,
+)
+from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from shardkit.optim._torch_compat import profiler_range, queue_end_of_backward
 
 __all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
     "OSS",
+    "AllGather",
+    "FlatBucket",
+    "ParkedState",
     "SafeFileSystemReader",
+    "ShardEntry",
     "ShardLayout",
     "ShardOwner",
+    "ShardStepper",
     "ShardedGradScaler",
     "ShardedOptimizer",
     "StepDriver",
@@ -32,10 +58,15 @@ __all__ = [
     "agree_call",
     "agree_outcome",
     "agree_values",
+    "build_flat_buckets",
+    "checkpoint_part",
     "describe_difference",
+    "gather_full_state_dict",
     "hyperparam_digest",
     "hyperparams",
+    "is_elementwise",
     "load_consolidated",
+    "load_full_state_dict",
     "load_sharded",
     "profiler_range",
     "queue_end_of_backward",

@@ -52,11 +52,12 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 from shardkit.optim._dist import _comm_device
+from shardkit.optim._safe_reader import UnsafeCheckpointError
 from shardkit.optim._state import _hyperparams
 from shardkit.partition import all_gather_objects
 
@@ -64,9 +65,11 @@ __all__ = [
     "agree_call",
     "agree_outcome",
     "agree_values",
+    "agreed_error",
     "describe_difference",
     "hyperparam_digest",
     "hyperparams",
+    "outcome",
     "register_call",
 ]
 
@@ -95,12 +98,29 @@ def hyperparam_digest(param_groups: Sequence[dict[str, Any]]) -> int:
 # rank's error, with its type), :func:`agree_call` (the bounded entry-point agreement of
 # [Note: Call agreement], which also carries the hyper-parameter digest and the per-step flags).
 # Each is one collective that every rank reaches whatever its local outcome, so a decision one
-# rank takes alone never leaves the others waiting in a collective.
+# rank takes alone never leaves the others waiting in a collective. The checkpoint functions
+# (``_checkpoint.py``) decide with :func:`agreed_error` too, on outcomes they gather with their
+# data (the checksums of a save) or with :func:`agree_outcome`, keeping their own messages
+# through ``template``.
 _ERROR_TYPES: dict[str, type[Exception]] = {
     "TypeError": TypeError,
     "ValueError": ValueError,
     "RuntimeError": RuntimeError,
+    "FileNotFoundError": FileNotFoundError,
+    "UnsafeCheckpointError": UnsafeCheckpointError,
 }
+"""The error types an agreement raises again on every rank, by name (a rank gathers only names
+and messages); a failing rank's error of another type is raised as the caller's default."""
+
+Outcome: TypeAlias = tuple[str, str] | None
+"""What an agreement gathers of one rank's local check: ``(error type name, message)``, or
+``None`` when it passed (see :func:`outcome`)."""
+
+REFUSED = (
+    "{what} failed on rank {rank} of {world}{also}, so it is refused on every rank: "
+    "{kind}: {message}"
+)
+"""The message of :func:`agreed_error` and :func:`agree_outcome` by default."""
 
 
 def agree_values(
@@ -137,28 +157,77 @@ def agree_values(
     return gathered
 
 
-def agree_outcome(error: Exception | None, group: dist.ProcessGroup, what: str) -> None:
-    """Raises on every rank the error of the first rank whose local check failed (if any).
+def outcome(error: BaseException | None) -> Outcome:
+    """What an agreement gathers of ``error``: its type's name and its message (``None``: none)."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def agreed_error(
+    outcomes: Sequence[Outcome],
+    what: str,
+    *,
+    template: str = REFUSED,
+    default: type[Exception] = RuntimeError,
+) -> Exception | None:
+    """The error every rank raises for every rank's outcome of a local check (no collective).
+
+    Every rank that passes the same ``outcomes`` (e.g. from one all-gather, alone or with data)
+    gets the same error: the first failing rank's error type, by name (``TypeError``,
+    ``ValueError``, ``RuntimeError``, ``FileNotFoundError``, ``UnsafeCheckpointError``;
+    ``default`` for any other), and its message through ``template``.
 
     Args:
-        error: this rank's error, or ``None``.
-        group: the process group (every rank of it calls this, failed or not).
+        outcomes: every rank's :data:`Outcome`, in rank order.
         what: the operation, for the message.
+        template: the message, a ``str.format`` template over ``what``, ``rank`` (the first
+            failing rank), ``world`` (``len(outcomes)``), ``also`` (``" (rank(s) [..] failed
+            too)"`` or ``""``), ``kind`` (its error type's name) and ``message`` (its message).
+        default: the type raised for an error type not in the list above.
 
-    Raises:
-        TypeError, ValueError, RuntimeError: the first failing rank's error type (others as
-            ``RuntimeError``), naming that rank, on every rank.
+    Returns:
+        The error to raise, or ``None`` when no rank failed.
     """
-    infos = all_gather_objects(None if error is None else (type(error).__name__, str(error)), group)
-    failed = [(r, info) for r, info in enumerate(infos) if info is not None]
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
     if not failed:
-        return
+        return None
     rank, (kind, message) = failed[0]
     also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
-    raise _ERROR_TYPES.get(kind, RuntimeError)(
-        f"{what} failed on rank {rank} of {len(infos)}{also}, so it is refused on every "
-        f"rank: {kind}: {message}"
-    ) from error
+    text = template.format(
+        what=what, rank=rank, world=len(outcomes), also=also, kind=kind, message=message
+    )
+    return _ERROR_TYPES.get(kind, default)(text)
+
+
+def agree_outcome(
+    error: BaseException | Outcome,
+    group: dist.ProcessGroup,
+    what: str,
+    *,
+    template: str = REFUSED,
+    default: type[Exception] = RuntimeError,
+) -> None:
+    """Raises on every rank the error of the first rank whose local check failed (if any).
+
+    One all-gather of every rank's :data:`Outcome`, decided by :func:`agreed_error`.
+
+    Args:
+        error: this rank's error (the cause of what this rank raises), or its :func:`outcome`
+            (nothing chained), or ``None``.
+        group: the process group (every rank of it calls this, failed or not).
+        what: the operation, for the message.
+        template: the message (see :func:`agreed_error`); by default it names the failing
+            rank, its error type and message.
+        default: the type raised for an error type :func:`agreed_error` does not list.
+
+    Raises:
+        TypeError, ValueError, RuntimeError, FileNotFoundError, UnsafeCheckpointError: the
+            first failing rank's error type (others as ``default``), on every rank.
+    """
+    mine = outcome(error) if isinstance(error, BaseException) else error
+    gathered = all_gather_objects(mine, group)  # See [Note: Object collectives without NumPy]
+    failure = agreed_error(gathered, what, template=template, default=default)
+    if failure is not None:
+        raise failure from (error if isinstance(error, BaseException) else None)
 
 
 _NAMES: dict[int, str] = {}

@@ -24,13 +24,21 @@ import os
 import pickle
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from shardkit.optim import _commit
-from shardkit.optim._agreement import _CALLS, agree_call
+from shardkit.optim._agreement import (
+    _CALLS,
+    Outcome,
+    agree_call,
+    agree_outcome,
+    agreed_error,
+    outcome,
+)
 from shardkit.optim._commit import Staging, checksum, read_header, resolve, verify_checksums
 from shardkit.optim._load_checks import Opened, parse_key, request, validate_against
 from shardkit.optim._master import MASTER_KEY
@@ -66,6 +74,18 @@ __all__ = ["load_consolidated", "load_sharded", "save_sharded"]
 logger = logging.getLogger("shardkit.optim")
 
 _MASTER_PREFIX = "master/"
+
+# The messages of the checkpoint functions' agreements (see :func:`agreed_error`): a load raises
+# the failing rank's own message, at most 2000 characters of it.
+_NOT_COMMITTED = "{what} failed, nothing was committed: {message}"
+_AS_IS = "{message:.2000}"
+_PREFIXED = "{what}: {message:.2000}"
+_ALONE = "{what}: {message}"  # load_consolidated: one process, the whole message
+
+
+def _failed(message: str) -> Outcome:
+    """A failed save's outcome: raised as a ``RuntimeError`` on every rank."""
+    return "RuntimeError", message
 
 
 def _require_numpy(what: str) -> None:
@@ -127,6 +147,7 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
     # Every rank in this call, within collective_timeout: see [Note: Call agreement].
     agree_call(_CALLS[3], optimizer.group, optimizer.collective_timeout)
     final = Path(path)
+    what = f"save_sharded({final})"
     group = optimizer.group
     coordinator = optimizer.rank == 0
     # Rank 0 names the save and decides where it stages; every rank writes there.
@@ -138,27 +159,28 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
     token, stage = str(plan[0]), Path(plan[1])
     local = optimizer.local_state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    error: str | None = None
+    error: Outcome = None
     sd: dict[str, torch.Tensor] = {}
     try:
         sd = _local_items(local)
         sd[GROUPS_KEY] = encode_groups(local["param_groups"])
     except TypeError as e:
-        error = f"rank {optimizer.rank}: {e}"
+        error = _failed(f"rank {optimizer.rank}: {e}")
     if staging is not None and error is None:
         try:
             staging.prepare()
         except OSError as e:
-            error = f"preparing {staging.stage} failed: {type(e).__name__}: {e}"
+            error = _failed(f"preparing {staging.stage} failed: {type(e).__name__}: {e}")
     # See [Note: Checkpoint checksums]; the header record carries them too ([Note: Commit
-    # record required]), so every rank needs all of them before DCP writes.
+    # record required]), so every rank needs all of them before DCP writes: one gather of
+    # every rank's outcome and checksums.
     sums = {k: checksum(v) for k, v in sd.items()}
     gathered = all_gather_objects((error, sums), group)
-    errors = [str(e) for e, _ in gathered if e is not None]
-    if errors:
+    failure = agreed_error([e for e, _ in gathered], what, template=_NOT_COMMITTED)
+    if failure is not None:
         if staging is not None:
             staging.abort()
-        raise RuntimeError(f"save_sharded({final}) failed, nothing was committed: {errors[0]}")
+        raise failure
     header: dict[str, Any] = {
         "format": FORMAT,
         "num_params": len(params),
@@ -172,27 +194,22 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
         _dcp_save(sd, checkpoint_id=str(stage), process_group=group)
         _commit.crash_point("written")
     except (Exception, CheckpointException) as e:  # every rank must reach the agreement below
-        error = f"rank {optimizer.rank}: {type(e).__name__}: {e}"
-    errors = [e for e in all_gather_objects(error, group) if e is not None]
+        error = _failed(f"rank {optimizer.rank}: {type(e).__name__}: {e}")
+    failure = agreed_error(all_gather_objects(error, group), what, template=_NOT_COMMITTED)
     if staging is not None:
-        if not errors:
+        if failure is None:
             record = dict(
                 header, checksums={**header["checksums"], HEADER_KEY: checksum(sd[HEADER_KEY])}
             )
             try:
                 staging.commit(record)
             except OSError as e:
-                errors.append(f"committing on rank 0 failed: {type(e).__name__}: {e}")
-        if errors:
+                error = _failed(f"committing on rank 0 failed: {type(e).__name__}: {e}")
+        if failure is not None or error is not None:
             staging.abort()
-    _agreed_error(errors[0] if errors else None, group, f"save_sharded({final})")
-
-
-def _agreed_error(error: str | None, group: dist.ProcessGroup, what: str) -> None:
-    """Raises the same error on every rank if any rank has one (a collective)."""
-    errors = [e for e in all_gather_objects(error, group) if e is not None]
-    if errors:
-        raise RuntimeError(f"{what} failed, nothing was committed: {errors[0]}")
+    if failure is not None:  # the same on every rank
+        raise failure
+    agree_outcome(error, group, what, template=_NOT_COMMITTED)  # rank 0's commit
 
 
 def _open(path: Path, allow_pickle: bool, allow_missing_commit_record: bool) -> Opened:
@@ -287,9 +304,30 @@ def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, An
     bad = verify_checksums(rest, sums, where, strict=True)
     if bad is not None:
         raise ValueError(bad)
+    groups = lambda: decode_groups(loaded[GROUPS_KEY], header["num_params"])  # noqa: E731
+    return _plain(rest, groups, decode=True)
+
+
+def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Format 1: pickled records (the caller opted in with ``allow_pickle=True``)."""
+    header = pickle.loads(loaded["shardkit_optim"])  # opted in: see allow_pickle
+    if not isinstance(header, dict) or header.get("format") != LEGACY_FORMAT:
+        raise ValueError(f"unsupported checkpoint format {header!r:.200}; expected {LEGACY_FORMAT}")
+    groups = lambda: pickle.loads(loaded["param_groups"])  # noqa: E731 (opted in: allow_pickle)
+    return _plain(loaded, groups, decode=False)
+
+
+def _plain(items: dict[str, Any], groups: Callable[[], Any], *, decode: bool) -> dict[str, Any]:
+    """The plain state dict of the loaded items (``state``, ``param_groups``, the masters).
+
+    Args:
+        items: the loaded items; those that are not per-param (see ``parse_key``) are ignored.
+        groups: makes ``param_groups`` (called after every per-param item is decoded).
+        decode: decode the ``value/`` items (format 2's JSON records); format 1 holds values.
+    """
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    for key, value in rest.items():
+    for key, value in items.items():
         parsed = parse_key(key)
         if parsed is None:
             continue
@@ -297,35 +335,10 @@ def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, An
         if kind == "master":
             masters[idx] = value
         else:
-            state.setdefault(idx, {})[name] = value if kind == "state" else decode_value(value, key)
-    out: dict[str, Any] = {
-        "state": dict(sorted(state.items())),
-        "param_groups": decode_groups(loaded[GROUPS_KEY], header["num_params"]),
-    }
-    if masters:
-        out[MASTER_KEY] = dict(sorted(masters.items()))
-    return out
-
-
-def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
-    """Format 1: pickled records (the caller opted in with ``allow_pickle=True``)."""
-    state: dict[int, dict[str, Any]] = {}
-    masters: dict[int, torch.Tensor] = {}
-    for key, value in loaded.items():
-        parsed = parse_key(key)
-        if parsed is None:
-            continue
-        if parsed[0] == "master":
-            masters[parsed[1]] = value
-        else:
-            state.setdefault(parsed[1], {})[parsed[2]] = value
-    header = pickle.loads(loaded["shardkit_optim"])  # opted in: see allow_pickle
-    if not isinstance(header, dict) or header.get("format") != LEGACY_FORMAT:
-        raise ValueError(f"unsupported checkpoint format {header!r:.200}; expected {LEGACY_FORMAT}")
-    out = {
-        "state": dict(sorted(state.items())),
-        "param_groups": pickle.loads(loaded["param_groups"]),  # opted in: see allow_pickle
-    }
+            state.setdefault(idx, {})[name] = (
+                decode_value(value, key) if decode and kind == "value" else value
+            )
+    out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups()}
     if masters:
         out[MASTER_KEY] = dict(sorted(masters.items()))
     return out
@@ -346,6 +359,55 @@ def _describe(e: BaseException) -> str:
         if isinstance(inner, BaseException):
             return f"{type(inner).__name__}: {str(inner)[:2000]} (rank {rank})"
     return f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def _read_verified(
+    opened: Opened,
+    req: dict[str, Any],
+    what: str,
+    allow_pickle: bool,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """Reads the items of ``req`` through the safe reader, checks them against their checksums
+    and decodes the plain state dict: collectively over ``group``, or in this one process.
+
+    Raises:
+        ValueError: (``UnsafeCheckpointError`` for what only a damaged or crafted checkpoint
+            holds) reading failed, an item fails its checksum or a record its schema; with
+            ``group`` on every rank of it, whichever rank found it.
+    """
+    reader = _reader(opened, allow_pickle)
+    try:
+        if group is not None:
+            _dcp_load(req, storage_reader=reader, process_group=group)
+        else:
+            with warnings.catch_warnings():
+                # DCP warns that it assumes a single process, which is exactly the intent here.
+                warnings.filterwarnings(
+                    "ignore", message=".*assuming the intent is to load in a single"
+                )
+                _dcp_load(req, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # with a group: on every rank (gathered)
+        raise ValueError(
+            f"{what}: reading the checkpoint failed, it is damaged or crafted: {_describe(e)}"
+        ) from None
+    error: ValueError | None = None
+    assembled: dict[str, Any] | None = None
+    try:
+        assembled = _verify_and_assemble(opened, req)
+    except ValueError as e:
+        error = e
+    if group is not None:
+        # Each rank reads only the items of the params it owns: one rank may find a damaged
+        # one alone, and every rank must refuse the load.
+        agree_outcome(outcome(error), group, what, template=_PREFIXED, default=ValueError)
+    else:
+        failure = agreed_error([outcome(error)], what, template=_ALONE, default=ValueError)
+        if failure is not None:
+            raise failure from None
+    if assembled is None:  # unreachable: no rank reported an error
+        raise RuntimeError(f"{what}: internal error, the checkpoint was not assembled")
+    return assembled
 
 
 def load_sharded(
@@ -389,45 +451,23 @@ def load_sharded(
     agree_call(_CALLS[4], optimizer.group, optimizer.collective_timeout)  # [Note: Call agreement]
     group = optimizer.group
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    error: str | None = None
+    error: Exception | None = None
     opened: Opened | None = None
     try:
         opened = _open(Path(path), allow_pickle, allow_missing_commit_record)
         validate_against(opened, params)
     except (FileNotFoundError, ValueError, OSError) as e:
-        error = _describe(e)
+        error = e
     # Every rank decides the same way from shared files, but a rank that cannot see them (no
     # shared filesystem) must not leave the others waiting in DCP's collectives.
-    errors = [e for e in all_gather_objects(error, group) if e is not None]
-    if errors:
-        kind, _, message = errors[0].partition(": ")
-        cls = {
-            "FileNotFoundError": FileNotFoundError,
-            "UnsafeCheckpointError": UnsafeCheckpointError,
-        }
-        raise cls.get(kind, ValueError)(message)
+    agree_outcome(outcome(error), group, "load_sharded", template=_AS_IS, default=ValueError)
     if opened is None:  # unreachable: no rank reported an error
         raise RuntimeError("load_sharded: internal error, the checkpoint was not opened")
     wanted = set(optimizer._checkpoint_indices())  # noqa: SLF001 (shardkit-optim's own)
     req = request(opened, wanted)
-    try:
-        _dcp_load(req, storage_reader=_reader(opened, allow_pickle), process_group=group)
-    except (Exception, CheckpointException) as e:  # DCP raises on every rank (gathered)
-        raise ValueError(
-            f"load_sharded({path}): reading the checkpoint failed, it is damaged or crafted: "
-            f"{_describe(e)}"
-        ) from None
-    assembled: dict[str, Any] | None = None
-    try:
-        assembled = _verify_and_assemble(opened, req)
-    except ValueError as e:
-        error = _describe(e)
-    bad_all = [b for b in all_gather_objects(error, group) if b is not None]
-    if bad_all or assembled is None:
-        kind, _, message = (bad_all[0] if bad_all else "ValueError: no state").partition(": ")
-        cls2 = UnsafeCheckpointError if kind == "UnsafeCheckpointError" else ValueError
-        raise cls2(f"load_sharded({path}): {message}")
-    optimizer.load_state_dict(assembled)
+    optimizer.load_state_dict(
+        _read_verified(opened, req, f"load_sharded({path})", allow_pickle, group)
+    )
 
 
 def load_consolidated(
@@ -444,17 +484,12 @@ def load_consolidated(
 
     Args:
         path: the checkpoint directory.
-        allow_pickle: also load a checkpoint of format ``shardkit.optim.sharded/1`` (written by
-            shardkit-optim <= 0.1.8), whose records are pickles: this UNPICKLES them (with DCP's
-            ``torch.load(weights_only=False)`` and ``pickle.loads``), which runs any code a
-            crafted checkpoint contains. Only for checkpoints you trust; save it again to
-            convert it. Format-2 checkpoints never unpickle anything of their own.
-        allow_missing_commit_record: also load a checkpoint whose commit record
-            (``SHARDKIT_COMMIT``) is missing, empty or unreadable (refused by default). A
-            format-2 checkpoint is then still verified item by item against the checksums of
-            its ``shardkit/header`` record (which itself is only checked against its schema);
-            a format-1 or shardkit-optim 0.1 checkpoint has no other checksums and loads
-            UNVERIFIED: a corrupted payload loads silently.
+        allow_pickle: as for :func:`load_sharded`: also load a format-1 checkpoint, UNPICKLING
+            its records (runs any code a crafted checkpoint contains; only for checkpoints you
+            trust).
+        allow_missing_commit_record: as for :func:`load_sharded`: also load a checkpoint
+            without a readable commit record (a format-1 or 0.1 checkpoint then loads
+            UNVERIFIED).
 
     Raises:
         FileNotFoundError: ``path`` is not a committed checkpoint.
@@ -465,21 +500,4 @@ def load_consolidated(
     opened = _open(Path(path), allow_pickle, allow_missing_commit_record)
     validate_against(opened, None)
     req = request(opened, None)
-    try:
-        with warnings.catch_warnings():
-            # DCP warns that it assumes a single process, which is exactly the intent here.
-            warnings.filterwarnings(
-                "ignore", message=".*assuming the intent is to load in a single"
-            )
-            _dcp_load(req, storage_reader=_reader(opened, allow_pickle), no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise ValueError(
-            f"load_consolidated({path}): reading the checkpoint failed, it is damaged or "
-            f"crafted: {_describe(e)}"
-        ) from None
-    try:
-        return _verify_and_assemble(opened, req)
-    except UnsafeCheckpointError as e:
-        raise UnsafeCheckpointError(f"load_consolidated({path}): {e}") from None
-    except ValueError as e:
-        raise ValueError(f"load_consolidated({path}): {e}") from None
+    return _read_verified(opened, req, f"load_consolidated({path})", allow_pickle, None)

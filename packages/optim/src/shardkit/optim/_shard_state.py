@@ -1,4 +1,4 @@
-"""Optimizer state dicts of ``ShardedDataParallel``: plain torch format, both ways.
+"""Optimizer state dicts of a :class:`~shardkit.optim.ShardStepper`: plain torch format, both ways.
 
 [Note: Optimizer state format]
 ``full_state_dict`` returns, on every rank, what a plain optimizer of the same class stepping
@@ -9,7 +9,7 @@ format of ``ShardedOptimizer.state_dict()`` after consolidation, so either loads
 dicts, and so does a plain torch optimizer (extra keys are ignored).
 
 Fragment buckets hold one local tensor per param piece ([Note: Per-param fragments] in
-``shardkit.ddp._stepper``). Their per-element state (a tensor of one or more dims, shaped like
+``shardkit.optim._shard_stepper``). Their per-element state (a tensor of one or more dims, shaped like
 the piece) is written into a zero buffer of the rank's range, all-gathered into the bucket's
 layout and cut per param; their scalar state (``step``, ASGD's ``eta`` / ``mu``) and which
 keys each param has travel as objects, and the pieces of one param must agree on them (they
@@ -21,20 +21,38 @@ collective.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.ddp._comm import _all_gather
-from shardkit.ddp._layout import _Bucket
-from shardkit.ddp._stepper import _Entry, _Stepper, hyperparams
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._master import MASTER_KEY
+from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
+from shardkit.optim._state import _hyperparams as hyperparams
 from shardkit.partition import all_gather_objects
 
-__all__: list[str] = []
+__all__ = [
+    "AllGather",
+    "ParkedState",
+    "checkpoint_part",
+    "gather_full_state_dict",
+    "load_full_state_dict",
+]
 
-MASTER_KEY = "master_params"
+AllGather = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], object]
+"""``all_gather(output, input, group)``: a blocking all-gather of every rank's ``input`` into
+one ``output`` tensor; a driver passes its own to count the bytes. The default is torch's
+single-tensor all-gather (``all_gather_single``, ``all_gather_into_tensor`` before it)."""
+
+_all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+
+
+def _default_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:
+    return _all_gather_single(out, inp, group=group)
 
 
 def _index(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
@@ -74,13 +92,15 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @dataclass
-class Parked:
+class ParkedState:
     """Optimizer state of params that are not trainable now (not in the bucket layout), kept
-    whole on every rank until they train again, as a plain optimizer keeps it. See [Note:
-    Trainable refresh] in ``shardkit.ddp._sharded_ddp``."""
+    whole on every rank until they train again, as a plain optimizer keeps it (shardkit-ddp's
+    [Note: Trainable refresh])."""
 
     state: dict[int, dict[str, Any]]
+    """Global index -> the param's saved state."""
     masters: dict[int, torch.Tensor]
+    """Global index -> the param's saved master (with ``master_dtype``)."""
 
     def nbytes(self) -> int:
         """Bytes of the parked tensors."""
@@ -89,16 +109,26 @@ class Parked:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def full_state_dict(
-    stepper: _Stepper,
-    buckets: Sequence[_Bucket],
+def gather_full_state_dict(
+    stepper: ShardStepper,
+    buckets: Sequence[FlatBucket],
     param_groups: Sequence[dict[str, Any]],
     group: dist.ProcessGroup,
-    parked: Parked | None = None,
+    *,
+    parked: ParkedState | None = None,
+    all_gather: AllGather | None = None,
 ) -> dict[str, Any]:
-    """The plain-torch optimizer state dict, on every rank. Collective.
+    """The plain-torch optimizer state dict, on every rank. Collective over ``group``.
 
-    See [Note: Optimizer state format]. ``parked``: the state of params outside the layout.
+    See [Note: Optimizer state format].
+
+    Args:
+        stepper: This rank's stepper over ``buckets``.
+        buckets: The flat buckets of the optimizer (the same on every rank).
+        param_groups: The sharded optimizer's param groups (global indices, hyper-parameters).
+        group: The buckets' process group.
+        parked: The state of params outside the layout, included whole.
+        all_gather: The all-gather to use (see :data:`AllGather`).
 
     Raises:
         RuntimeError: the pieces of a param disagree on its scalar state or keys (the ranks
@@ -106,6 +136,7 @@ def full_state_dict(
     """
     index = _index(param_groups)
     world = dist.get_world_size(group)
+    gather = all_gather or _default_all_gather
     local = stepper.local
     meta: dict[int, dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
@@ -131,7 +162,7 @@ def full_state_dict(
             seen = merged.setdefault(gi, keys)
             if seen.keys() != keys.keys() or not all(_same(seen[k], keys[k]) for k in keys):
                 raise RuntimeError(
-                    f"ShardedDataParallel: the pieces of param {gi} hold different optimizer "
+                    f"the pieces of param {gi} hold different optimizer "
                     f"state on rank {rank} ({_show(keys)}) and on a lower rank ({_show(seen)}); "
                     f"the ranks did not step it alike"
                 )
@@ -139,7 +170,7 @@ def full_state_dict(
     masters: dict[int, torch.Tensor] = {}
     for b in buckets:
         if b.elementwise:
-            _gather_fragments(stepper, b, index, merged, world, group, state, masters)
+            _gather_fragments(stepper, b, index, merged, (world, group, gather), state, masters)
     device = buckets[0].device if buckets else torch.device("cpu")
     for _, states, ms in gathered:
         for gi, st in states.items():
@@ -163,12 +194,11 @@ def _show(keys: dict[str, Any]) -> str:
 
 
 def _gather_fragments(
-    stepper: _Stepper,
-    b: _Bucket,
+    stepper: ShardStepper,
+    b: FlatBucket,
     index: dict[int, int],
     merged: dict[int, dict[str, Any]],
-    world: int,
-    group: dist.ProcessGroup,
+    comm: tuple[int, dist.ProcessGroup, AllGather],
     state: dict[int, dict[str, Any]],
     masters: dict[int, torch.Tensor],
 ) -> None:
@@ -176,6 +206,7 @@ def _gather_fragments(
     one all-gather per per-element key (and one of the masters). Collective; every rank
     takes the same keys from ``merged``."""
     local = stepper.local
+    world, group, gather = comm
     mine = [e for e in stepper.all_entries() if e.bucket is b]
     gis = [index[id(p)] for p in b.params]
     dtypes: dict[str, str] = {}
@@ -193,11 +224,11 @@ def _gather_fragments(
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.numel() != e.tensor.numel():
                     raise RuntimeError(
-                        f"ShardedDataParallel: state {k!r} of param {index[id(e.param)]} has "
+                        f"state {k!r} of param {index[id(e.param)]} has "
                         f"{v.numel()} elements, its piece on this rank {e.tensor.numel()}"
                     )
                 buf[e.start : e.start + v.numel()].copy_(v.reshape(-1))
-        full = _gather(buf, world, group)
+        full = _gather(buf, world, group, gather)
         for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
             if isinstance(merged.get(gi, {}).get(k), _PerElement):
                 state[gi][k] = full[off : off + p.numel()].view(p.shape).clone()
@@ -206,7 +237,7 @@ def _gather_fragments(
         for e in mine:
             if e.master is not None:
                 buf[e.start : e.start + e.master.numel()].copy_(e.master)
-        full = _gather(buf, world, group)
+        full = _gather(buf, world, group, gather)
         for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
             masters[gi] = full[off : off + p.numel()].view(p.shape).clone()
 
@@ -215,21 +246,32 @@ def _to(v: Any, device: torch.device) -> Any:
     return v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
 
-def _gather(t: torch.Tensor, world: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather(
+    t: torch.Tensor, world: int, group: dist.ProcessGroup, gather: AllGather
+) -> torch.Tensor:
     out = torch.empty(t.numel() * world, dtype=t.dtype, device=t.device)
-    _all_gather(out, t.detach().contiguous(), group=group)
+    gather(out, t.detach().contiguous(), group)
     return out
 
 
 def load_full_state_dict(
-    stepper: _Stepper,
-    buckets: Sequence[_Bucket],
+    stepper: ShardStepper,
+    buckets: Sequence[FlatBucket],
     param_groups: list[dict[str, Any]],
     state_dict: dict[str, Any],
-) -> Parked:
+) -> ParkedState:
     """Loads a plain-torch optimizer state dict into this rank's shards (not collective).
 
-    Returns the state of the params outside the bucket layout (not trainable now), to keep.
+    Args:
+        stepper: This rank's stepper over ``buckets``.
+        buckets: The flat buckets of the optimizer.
+        param_groups: The sharded optimizer's param groups; their hyper-parameters are set
+            from the dict.
+        state_dict: A full state dict (:func:`gather_full_state_dict`, a consolidated
+            ``ShardedOptimizer`` or a plain torch optimizer).
+
+    Returns:
+        The state of the params outside the bucket layout (not trainable now), to keep.
 
     Raises:
         ValueError: the dict does not match the params (group count/sizes, shapes); nothing
@@ -258,7 +300,7 @@ def load_full_state_dict(
     saved_state = {position.get(k, k): v for k, v in state_dict["state"].items()}
     saved_masters = {position.get(k, k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
     index = _index(param_groups)
-    new: list[tuple[_Entry, dict[str, Any], torch.Tensor | None]] = []
+    new: list[tuple[ShardEntry, dict[str, Any], torch.Tensor | None]] = []
     for e in stepper.all_entries():  # every piece checked before anything changes
         gi = index[id(e.param)]
         saved = saved_state.get(gi, {})
@@ -285,7 +327,7 @@ def load_full_state_dict(
         _load_master(e, master)
     laid = {id(p) for b in buckets for p in b.params}
     params = [p for g in param_groups for p in g["params"]]
-    return Parked(
+    return ParkedState(
         {
             gi: copy.deepcopy(st)
             for gi, st in saved_state.items()
@@ -300,7 +342,7 @@ def load_full_state_dict(
     )  # fmt: skip
 
 
-def _piece(e: _Entry, gi: int, key: str, v: Any) -> Any:
+def _piece(e: ShardEntry, gi: int, key: str, v: Any) -> Any:
     """Entry ``e``'s part of a param's saved state value (see [Note: Optimizer state
     format])."""
     if not e.fragment or not isinstance(v, torch.Tensor) or v.dim() == 0:
@@ -326,7 +368,7 @@ def _like(v: Any, t: torch.Tensor, key: str) -> Any:
     return v.to(device=t.device, dtype=t.dtype).clone()
 
 
-def _load_master(e: _Entry, saved: torch.Tensor | None) -> None:
+def _load_master(e: ShardEntry, saved: torch.Tensor | None) -> None:
     """Master values from the dict, or from the live (just loaded model) values."""
     if e.master is None:
         return
@@ -339,13 +381,13 @@ def _load_master(e: _Entry, saved: torch.Tensor | None) -> None:
 
 
 # [Note: DCP sharded checkpoints]
-# shardkit-optim's ``save_sharded`` writes ``optimizer.local_state_dict()`` of every rank (per
-# rank disjoint global indices, plain per-param state) and ``load_sharded`` reads the indices
-# the optimizer names for this rank, then calls ``optimizer.load_state_dict``. Under
-# ShardedDataParallel a param's state is split at element ranges across ranks, so the
-# optimizer's ``ShardOwner`` (``shardkit.ddp._unit._Unit``) answers both:
+# ``save_sharded`` writes ``optimizer.local_state_dict()`` of every rank (per rank disjoint
+# global indices, plain per-param state) and ``load_sharded`` reads the indices the optimizer
+# names for this rank, then calls ``optimizer.load_state_dict``. Under a ZeRO-2 driver a
+# param's state is split at element ranges across ranks, so the optimizer's ``ShardOwner``
+# (shardkit-ddp's unit) answers both:
 #
-# - ``checkpoint_state_dict`` is ``checkpoint_shard`` of the full state dict (collective:
+# - ``checkpoint_state_dict`` is ``checkpoint_part`` of the full state dict (collective:
 #   ``save_sharded`` calls it once on every rank at the same point): rank ``r`` writes the
 #   whole-param state of the indices ``i % N == r``, so the checkpoint is the plain format
 #   ``load_sharded`` of any ShardedOptimizer reads, at any world size;
@@ -355,9 +397,10 @@ def _load_master(e: _Entry, saved: torch.Tensor | None) -> None:
 #
 # The cost: every rank reads the whole optimizer state at load time (as ``load_state_dict``
 # of a consolidated dict does).
-def checkpoint_shard(full: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def checkpoint_part(full: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """This rank's part of a full state dict for ``save_sharded`` (indices ``i % world ==
-    rank``); see [Note: DCP sharded checkpoints]."""
+    rank``, so every index is written by exactly one rank); see [Note: DCP sharded
+    checkpoints]."""
     out: dict[str, Any] = {
         "state": {i: st for i, st in full["state"].items() if i % world == rank},
         "param_groups": full["param_groups"],

@@ -1,8 +1,9 @@
-"""Step side of ``ShardedDataParallel``: the local optimizer over this rank's shards.
+"""The local step of a rank's shards of flat buckets (the step half of ZeRO-2's engine).
 
-Each param group of the sharded optimizer becomes one group of a *local* optimizer of the same
+:class:`ShardStepper` is the one owner of a ZeRO-2 rank's sharded optimizer state: each param
+group of the sharded optimizer becomes one group of a *local* optimizer of the same
 class and hyper-parameters, whose params are what this rank owns (see [Note: Owner-contiguous
-buckets]), one tensor per param: for a fragment bucket, the part of each param that falls in
+buckets] in ``shardkit.optim._flat``), one tensor per param: for a fragment bucket, the part of each param that falls in
 the rank's range of the flat buffer, as a 1-D view; for a whole-param bucket, the params it
 owns. Their ``.grad`` are views of the bucket's reduced ``grad_shard``. With ``master_dtype``
 (shardkit-optim's [Note: Master weights]) each stepped tensor of another dtype gets a master
@@ -19,9 +20,9 @@ local optimizer) and is skipped, its values and state unchanged, exactly as DDP
 (``find_unused_parameters=True``) + the plain optimizer leave it; the next time it is used,
 Adam's bias correction sees its own count. The pieces of one param on different ranks carry
 the same scalar state (they see the same global usage), so a full state dict is the pieces'
-per-element state concatenated and the scalars of any piece. Which params were used is
-``_Bucket.used`` (this rank: a real gradient staged since the last step), OR-ed over the ranks
-by one small all-reduce of a usage mask per step (``ShardedDataParallel._global_unused``).
+per-element state concatenated and the scalars of any piece. Which params no rank used is
+the driver's to say (``unused`` of :meth:`ShardStepper.step`): shardkit-ddp OR-s a per-rank
+usage mask over the ranks with one small all-reduce per step.
 """
 
 from __future__ import annotations
@@ -31,22 +32,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from shardkit.ddp._layout import _Bucket
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._state import _hyperparams as hyperparams
 from torch.optim import Optimizer
 
-__all__: list[str] = []
-
-
-def hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's hyper-parameters (everything but ``params``)."""
-    return {k: v for k, v in group.items() if k != "params"}
+__all__ = ["ShardEntry", "ShardStepper"]
 
 
 @dataclass(eq=False)
-class _Entry:
+class ShardEntry:
     """One tensor the local optimizer steps: a param, or this rank's piece of one."""
 
-    bucket: _Bucket
+    bucket: FlatBucket
+    """The bucket the param lives in."""
     position: int
     """Position of the param in the bucket."""
     start: int
@@ -55,49 +53,47 @@ class _Entry:
     """The model-side tensor (a view of the bucket's buffer): the param itself (whole-param
     bucket) or a 1-D piece of it (fragment bucket)."""
     master: torch.Tensor | None
+    """Its master copy in ``master_dtype`` (stepped instead of ``tensor``), or ``None``."""
     lo: int = 0
     """First element of the param this entry covers (0 for a whole param)."""
 
     @property
     def opt(self) -> torch.Tensor:
+        """What the local optimizer steps: the master, else the tensor."""
         return self.tensor if self.master is None else self.master
 
     @property
     def fragment(self) -> bool:
+        """Whether this is a piece of a fragment bucket."""
         return self.bucket.elementwise
 
     @property
     def param(self) -> torch.Tensor:
+        """The whole param this entry steps (a part of)."""
         return self.bucket.params[self.position]
 
     def grad(self) -> torch.Tensor:
+        """Its part of the bucket's reduced ``grad_shard`` (a view)."""
         shard = self.bucket.grad_shard
         assert shard is not None  # callers check grad_fresh first
         return shard[self.start : self.start + self.tensor.numel()].view_as(self.tensor)
 
 
-def fragment_pieces(b: _Bucket, rank: int) -> list[tuple[int, int, int]]:
-    """``(position, lo, hi)``: the element range ``[lo, hi)`` of the bucket's buffer that
-    ``rank`` steps for each param of fragment bucket ``b`` (a param of no elements belongs to
-    the rank whose range holds its offset). See [Note: Per-param fragments]."""
-    start, end = b.range_of(rank)
-    out = []
-    for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
-        n = p.numel()
-        lo, hi = max(off, start), min(off + n, end)
-        if hi > lo:
-            out.append((i, lo, hi))
-        elif n == 0 and min(off // max(b.shard, 1), b.world - 1) == rank:
-            out.append((i, off, off))
-    return out
+class ShardStepper:
+    """Steps this rank's shards of ``buckets`` with a local copy of the optimizer's class.
 
-
-class _Stepper:
-    """Steps this rank's shards with a local copy of the sharded optimizer's class."""
+    Args:
+        buckets: The flat buckets of one sharded optimizer (every rank builds the same).
+        optim_cls: The optimizer class (``ShardedOptimizer.optim``'s type).
+        param_groups: The sharded optimizer's param groups (hyper-parameters per group).
+        defaults: Keyword arguments of the optimizer class (``ShardedOptimizer.defaults``).
+        rank: This rank, in the buckets' group.
+        master_dtype: Dtype of the master copies of lower-precision params, or ``None``.
+    """
 
     def __init__(
         self,
-        buckets: Sequence[_Bucket],
+        buckets: Sequence[FlatBucket],
         optim_cls: type[Optimizer],
         param_groups: Sequence[dict[str, Any]],
         defaults: dict[str, Any],
@@ -107,11 +103,14 @@ class _Stepper:
         self.rank = rank
         self.master_dtype = master_dtype
         self.factors: list[torch.Tensor] = []
-        self.entries: list[list[_Entry]] = [[] for _ in param_groups]
+        """Pending gradient factors (loss scaler's ``1/scale``, clip coefficient) for tensors
+        with masters, applied in fp32 at the step, in order."""
+        self.entries: list[list[ShardEntry]] = [[] for _ in param_groups]
+        """Per param group, the tensors this rank steps."""
         for b in buckets:
             start, _ = b.range_of(rank)
             if b.elementwise:  # See [Note: Per-param fragments]
-                for i, lo, hi in fragment_pieces(b, rank):
+                for i, lo, hi in b.pieces(rank):
                     piece = b.flat[lo:hi]
                     self.entries[b.group].append(
                         self._entry(
@@ -126,16 +125,20 @@ class _Stepper:
             for g, es in zip(param_groups, self.entries, strict=True)
         ]
         self.local: Optimizer | None = None
+        """The local optimizer (``None`` when this rank owns nothing)."""
         if any(g["params"] for g in groups):
             self.local = optim_cls(groups, **defaults)
 
-    def _entry(self, b: _Bucket, pos: int, start: int, t: torch.Tensor, lo: int) -> _Entry:
+    def _entry(
+        self, b: FlatBucket, pos: int, start: int, t: torch.Tensor, lo: int
+    ) -> ShardEntry:
         master = None
         if self.master_dtype is not None and t.dtype != self.master_dtype:
             master = t.detach().to(self.master_dtype, copy=True)
-        return _Entry(b, pos, start, t, master, lo)
+        return ShardEntry(b, pos, start, t, master, lo)
 
-    def all_entries(self) -> list[_Entry]:
+    def all_entries(self) -> list[ShardEntry]:
+        """Every entry, group by group."""
         return [e for es in self.entries for e in es]
 
     def state_bytes(self) -> int:
@@ -194,12 +197,12 @@ class _Stepper:
             wg.update(hyperparams(lg))
 
     # ------------------------------------------------------------------ loss scaling
-    def has_master(self, b: _Bucket) -> bool:
+    def has_master(self, b: FlatBucket) -> bool:
         """Whether the bucket's tensors are stepped through masters (another dtype)."""
         return self.master_dtype is not None and b.dtype != self.master_dtype
 
     def unscale(
-        self, buckets: Sequence[_Bucket], inv_scale: torch.Tensor
+        self, buckets: Sequence[FlatBucket], inv_scale: torch.Tensor
     ) -> dict[torch.device, torch.Tensor]:
         """``ShardedGradScaler``'s unscale over this rank's reduced grad shards.
 
@@ -234,13 +237,13 @@ class _Stepper:
 
     # ------------------------------------------------------------------ clipping
     # Clipping by the global norm of the reduced gradients (fp32, over every rank's shard) is
-    # ``ShardedDataParallel._clip_units``: the local norms of one or more steppers, one
-    # all-reduce, then ``apply_clip`` on each. Padding elements of a shard hold zero gradients
-    # (see [Note: Staging and launch order]), so they add nothing to the norm. Shards with
+    # the driver's (shardkit-ddp's ``ShardedDataParallel``): the local norms of one or more
+    # steppers, one all-reduce, then ``apply_clip`` on each. The driver keeps the padding
+    # elements of a shard at zero gradient, so they add nothing to the norm. Shards with
     # masters count times the pending factors (the loss scaler's ``1/scale`` after
     # ``unscale_``), as the step will use them.
     def local_norm(
-        self, buckets: Sequence[_Bucket], norm_type: float, device: torch.device
+        self, buckets: Sequence[FlatBucket], norm_type: float, device: torch.device
     ) -> torch.Tensor:
         """The ``norm_type`` norm (fp32) of this rank's live reduced gradients in ``buckets``."""
         live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
@@ -250,7 +253,7 @@ class _Stepper:
         total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         return total.to(device)
 
-    def apply_clip(self, buckets: Sequence[_Bucket], coef: torch.Tensor) -> None:
+    def apply_clip(self, buckets: Sequence[FlatBucket], coef: torch.Tensor) -> None:
         """Multiplies the live shards by ``coef`` (queued as a factor for shards with masters,
         applied in fp32 to the upcast gradient at the step)."""
         for b in buckets:
@@ -261,7 +264,7 @@ class _Stepper:
         if self.master_dtype is not None:
             self.factors.append(coef.detach().reshape(()).clone())
 
-    def _scaled(self, b: _Bucket) -> torch.Tensor:
+    def _scaled(self, b: FlatBucket) -> torch.Tensor:
         """The bucket's reduced grad shard in fp32, times the pending factors (the loss
         scaler's ``1/scale``) when its tensors have masters: what the step will use."""
         shard = b.grad_shard

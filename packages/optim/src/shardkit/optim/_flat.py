@@ -1,0 +1,255 @@
+"""The flat, owner-contiguous bucket layout of ZeRO-2 (the element-range half of the engine).
+
+[Note: Owner-contiguous buckets]
+Every trainable param lives in exactly one :class:`FlatBucket`; a bucket holds params of one
+param group, one dtype and one device, planned by ``shardkit.buckets.plan_buckets`` (reverse
+registration order, size-capped, so bucket 0 fills first in backward). A bucket's flat buffer
+has ``numel = N * S`` elements (``N`` the world size) and rank ``r`` owns the contiguous range
+``[r*S, (r+1)*S)``. The model's params are views of the buffer (``p.data`` is re-pointed), so:
+
+- reduce-scattering the bucket's gradients hands rank ``r`` exactly the gradient of the
+  elements it owns (its ``grad_shard``), and
+- all-gathering every rank's range rebuilds every param of the bucket,
+
+each of them one collective moving ``(N-1)/N`` of the buffer per rank: the two together move
+exactly what DDP's all-reduce of the same bucket moves (``2(N-1)/N``).
+
+Two kinds of buckets, by the param group's optimizer (see :func:`is_elementwise`):
+
+- *fragment* buckets (element-wise optimizers: SGD, Adam, AdamW, Adagrad, ...): params are
+  packed back to back and the buffer is padded at the end to a multiple of ``N``; a param may
+  straddle two owners. The owner steps its range one piece per param (:meth:`FlatBucket.pieces`,
+  [Note: Per-param fragments] in ``shardkit.optim._shard_stepper``), which for an element-wise
+  update is the same arithmetic as stepping each param. Padding is below ``N`` elements per
+  bucket.
+- *whole-param* buckets (anything else: Muon orthogonalises a whole matrix, so an element range
+  of it cannot be stepped alone): the bucket's params are assigned to ranks with
+  ``shardkit.partition.partition`` and rank ``r``'s params are packed in ``[r*S, (r+1)*S)``,
+  ``S`` the largest rank's share; the owner steps its params themselves (views of the buffer),
+  exactly as a plain optimizer would. Padding is the imbalance of the assignment.
+
+The ZeRO-1 partition (:class:`~shardkit.optim.ShardLayout`) is the other half of the same
+vocabulary: which rank owns which *whole* param, by global index. A whole-param bucket is that
+partition restricted to one bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from shardkit.buckets import plan_buckets
+from shardkit.partition import partition
+from torch.optim import Optimizer
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatBucket", "build_flat_buckets", "is_elementwise"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "ASGD",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+    )
+    if hasattr(torch.optim, name)
+)
+"""torch optimizers whose update of an element depends only on that element's value, gradient
+and state (plus scalar hyper-parameters and step counts): they may step any flat range of the
+params. Subclasses are not included (a subclass may change that); pass ``elementwise=True``."""
+
+
+def is_elementwise(optim_cls: type[Optimizer], override: bool | None = None) -> bool:
+    """Whether params of ``optim_cls`` may be sharded element by element.
+
+    Args:
+        optim_cls: The optimizer class that steps the params.
+        override: Wins when not ``None``; otherwise exact members of
+            :data:`ELEMENTWISE_OPTIMIZERS` are element-wise and everything else is stepped by
+            whole params.
+    """
+    if override is not None:
+        return override
+    return optim_cls in ELEMENTWISE_OPTIMIZERS
+
+
+@dataclass(eq=False)
+class FlatBucket:
+    """One owner-contiguous bucket. See [Note: Owner-contiguous buckets].
+
+    The layout fields are fixed once built; ``grad_shard`` / ``grad_fresh`` are the reduced
+    gradient the driver hands to :class:`~shardkit.optim.ShardStepper`. A driver may subclass
+    it (a dataclass) to keep its own per-bucket state; :func:`build_flat_buckets` builds the
+    subclass it is given.
+    """
+
+    index: int
+    """Position of the bucket in its driver's launch order."""
+    group: int
+    """Index of the param group (of the sharded optimizer) its params belong to."""
+    elementwise: bool
+    """Fragment bucket (element ranges) when true, whole-param bucket otherwise."""
+    params: list[torch.Tensor]
+    """The bucket's params, in layout order; each is a view of ``flat``."""
+    offsets: list[int]
+    """Start element of each param in ``flat``."""
+    owners: list[int]
+    """Owner rank of each param (whole-param buckets; -1 for fragment buckets)."""
+    shard: int
+    """``S``: elements owned by each rank."""
+    world: int
+    """``N``: ranks sharing the bucket."""
+    flat: torch.Tensor
+    """The param buffer, ``world * shard`` elements; params are views of it."""
+    grad_shard: torch.Tensor | None = None
+    """This rank's reduced gradient, ``shard`` elements (the driver allocates it)."""
+    grad_fresh: bool = True
+    """Whether ``grad_shard`` holds no gradient yet since the last step / zero_grad."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the (padded) flat buffer."""
+        return self.shard * self.world
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the params (and of ``flat``)."""
+        return self.flat.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the params (and of ``flat``)."""
+        return self.flat.device
+
+    def range_of(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``flat`` owned by ``rank``."""
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def shard_view(self, rank: int) -> torch.Tensor:
+        """``rank``'s range of ``flat`` (a view)."""
+        start, end = self.range_of(rank)
+        return self.flat[start:end]
+
+    def owned_params(self, rank: int) -> list[tuple[int, torch.Tensor]]:
+        """(position, param) of the params ``rank`` owns (whole-param buckets)."""
+        return [(i, p) for i, p in enumerate(self.params) if self.owners[i] == rank]
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(position, lo, hi)``: the range ``[lo, hi)`` of ``flat`` that ``rank`` steps for
+        each param of a fragment bucket, in param order.
+
+        A param of no elements belongs to the rank whose range holds its offset, so that its
+        (empty) state has exactly one home. See [Note: Per-param fragments].
+        """
+        start, end = self.range_of(rank)
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
+            n = p.numel()
+            lo, hi = max(off, start), min(off + n, end)
+            if hi > lo:
+                out.append((i, lo, hi))
+            elif n == 0 and min(off // max(self.shard, 1), self.world - 1) == rank:
+                out.append((i, off, off))
+        return out
+
+
+B = TypeVar("B", bound=FlatBucket)
+
+
+def build_flat_buckets(
+    param_groups: Sequence[dict[str, Any]],
+    elementwise: Sequence[bool],
+    world: int,
+    cap_bytes: int,
+    first_cap_bytes: int,
+    *,
+    first_index: int = 0,
+    bucket_type: type[B] = FlatBucket,  # type: ignore[assignment]
+) -> tuple[list[B], list[str]]:
+    """Plans the buckets of every param group and re-points the params into their buffers.
+
+    Args:
+        param_groups: The sharded optimizer's param groups; their trainable params are laid out
+            (frozen ones are left alone).
+        elementwise: Per group, whether it is laid out as fragment buckets (see
+            :func:`is_elementwise`).
+        world: Ranks sharing every bucket.
+        cap_bytes: Size cap of a bucket (``shardkit.buckets.plan_buckets``).
+        first_cap_bytes: Size cap of each group's first bucket.
+        first_index: Index of the first bucket built.
+        bucket_type: :class:`FlatBucket` or a dataclass subclass of it with defaults for its
+            extra fields.
+
+    Returns:
+        The buckets (in launch order: by group, then plan order) and one fingerprint string
+        per group, for a cross-rank check of the plan.
+    """
+    buckets: list[B] = []
+    prints: list[str] = []
+    for gi, g in enumerate(param_groups):
+        params = [p for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad]
+        if not params:
+            prints.append("empty")
+            continue
+        plan = plan_buckets(
+            params,
+            cap_bytes,
+            first_cap_bytes,
+            pad_to_multiple=world if elementwise[gi] else 1,
+        )
+        prints.append(plan.fingerprint())
+        for spec in plan.buckets:
+            ps = [params[i] for i in spec.indices]
+            if elementwise[gi]:
+                offsets = list(spec.offsets)
+                owners = [-1] * len(ps)
+                shard = spec.padded_numel // world
+            else:
+                offsets, owners, shard = _whole_param_layout(ps, world)
+            flat = torch.zeros(shard * world, dtype=spec.dtype, device=spec.device)
+            with torch.no_grad():
+                for p, off in zip(ps, offsets, strict=True):
+                    view = flat[off : off + p.numel()].view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view
+            buckets.append(
+                bucket_type(
+                    first_index + len(buckets),
+                    gi,
+                    elementwise[gi],
+                    ps,
+                    offsets,
+                    owners,
+                    shard,
+                    world,
+                    flat,
+                )
+            )
+    return buckets, prints
+
+
+def _whole_param_layout(params: list[torch.Tensor], world: int) -> tuple[list[int], list[int], int]:
+    """Offsets, owners and shard size of a whole-param bucket (largest rank share)."""
+    part = partition(params, world, algorithm="sorted_greedy")
+    owners = [0] * len(params)
+    loads = [0] * world
+    for r in range(world):
+        for i in part.params_of(r):
+            owners[i] = r
+            loads[r] += params[i].numel()
+    shard = max(max(loads), 1)
+    offsets = [0] * len(params)
+    fill = [r * shard for r in range(world)]
+    for i, p in enumerate(params):
+        offsets[i] = fill[owners[i]]
+        fill[owners[i]] += p.numel()
+    return offsets, owners, shard
