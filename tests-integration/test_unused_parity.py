@@ -8,7 +8,9 @@ included):
 - ``zero1_ddp``: ``ShardedOptimizer`` stepping a DDP model;
 - ``zero1_overlap``: the same, stepped by the shardkit-overlap comm hook inside backward;
 - ``zero2``: ``ShardedDataParallel`` (sharded gradients; a small bucket cap, so params straddle
-  the ranks' ranges and are stepped as pieces).
+  the ranks' ranges and are stepped as pieces);
+- ``zero2_views``: the same with ``gradient_as_bucket_view=True`` (backward accumulates into
+  the staging buffers; the no_sync gradient and the first of each backward are still copied).
 
 Over the full product of
 
@@ -97,8 +99,13 @@ class _Mode:
         self.opt = ShardedOptimizer(net.parameters(), optim=cls, **kw)
         self.overlap: Any = None
         self.sdp: ShardedDataParallel | None = None
-        if mode == "zero2":
-            self.sdp = ShardedDataParallel(net, self.opt, reduce_buffer_size=cap)
+        if mode.startswith("zero2"):
+            self.sdp = ShardedDataParallel(
+                net,
+                self.opt,
+                reduce_buffer_size=cap,
+                gradient_as_bucket_view=mode == "zero2_views",
+            )
             self.model: nn.Module = self.sdp
         else:
             self.model = DDP(net, find_unused_parameters=True)
@@ -132,7 +139,7 @@ def _run(mode: str, optim: str, pattern: str, backwards: str) -> None:
     if mode == "zero1_overlap" and backwards == "two":
         _expect_second_backward_refused(got, ref_net)
         return
-    exact = not (mode == "zero2" and backwards == "two")
+    exact = not (mode.startswith("zero2") and backwards == "two")
     for step in range(_STEPS):
         flag = use(step, rank)
         for model, no_sync in ((ref, ref.no_sync), (got.model, got.no_sync)):
@@ -156,7 +163,7 @@ def _run(mode: str, optim: str, pattern: str, backwards: str) -> None:
         assert sorted(st) == sorted(have[i]), f"{what}: param {i} state keys"
         for k, v in st.items():
             _same(torch.as_tensor(v), torch.as_tensor(have[i][k]), exact, f"{what}: param {i} {k}")
-    if mode == "zero2":  # params stepped different numbers of times reload into other pieces
+    if mode.startswith("zero2"):  # params stepped different numbers of times reload into other pieces
         again = _Mode(mode, copy.deepcopy(got.net), cls, kw, cap=23)
         assert again.sdp is not None
         again.sdp.load_optimizer_state_dict(full)
@@ -185,7 +192,7 @@ def _expect_second_backward_refused(got: _Mode, ref_net: _Net) -> None:
     del ref_net
 
 
-@pytest.mark.parametrize("mode", ["zero1_ddp", "zero1_overlap", "zero2"])
+@pytest.mark.parametrize("mode", ["zero1_ddp", "zero1_overlap", "zero2", "zero2_views"])
 @world(2, timeout=300)
 def test_unused_params_and_accumulation_match_ddp(mode: str) -> None:
     for optim, pattern, backwards in itertools.product(_OPTIMS, _USE, _BACKWARDS):

@@ -19,7 +19,9 @@ thread each. Systems:
 - ``shardkit_zero2``: ``ShardedDataParallel`` (param gathers overlapped with the next forward,
   the default), ``shardkit_zero2_sync_gather`` (``overlap_param_gather=False``) and
   ``shardkit_zero2_keep_staging`` (``keep_staging_buffers=True``: the staging pool stays
-  between steps, trading memory for fresh pages on CPU);
+  between steps, trading memory for fresh pages on CPU) and ``shardkit_zero2_views``
+  (``gradient_as_bucket_view=True``: backward accumulates into the staging buffers instead of
+  a multiply-copy into them);
 - bf16: ``ddp_bf16_autocast`` (fp32 model under ``torch.autocast(bfloat16)``),
   ``fsdp2_bf16`` (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``) and
   ``shardkit_zero2_bf16`` (bf16 params, fp32 masters).
@@ -77,6 +79,7 @@ _FP32 = (
     "shardkit_zero2",
     "shardkit_zero2_sync_gather",
     "shardkit_zero2_keep_staging",
+    "shardkit_zero2_views",
 )
 _BF16 = ("ddp_bf16_autocast", "fsdp2_bf16", "shardkit_zero2_bf16")
 _ONLY = os.environ.get("SHARDKIT_BENCH_SYS_ONLY", "")
@@ -189,6 +192,7 @@ def _build(name: str, width: int) -> _System:
             broadcast_buffers=False,
             overlap_param_gather=not name.endswith("gather"),
             keep_staging_buffers=name.endswith("keep_staging"),
+            gradient_as_bucket_view=name.endswith("views"),
         )
         return _System(name, sdp, opt)
     raise ValueError(name)

@@ -129,6 +129,13 @@ class ShardedDataParallel(nn.Module):
             them from one backward to the next: on CPU that saves their fresh pages every step
             (measured 2-6 ms on a 26 ms step of a 1.6M-param model), for two buckets of memory
             between steps. See [Note: Staging lifetime] in ``shardkit.ddp._reducer``.
+        gradient_as_bucket_view: ``True``: in a synchronised backward each param's ``.grad``
+            is a zeroed view of its bucket's staging buffer, which ``AccumulateGrad`` adds the
+            gradient into, so there is no staging copy (DDP's option of that name). ``False``
+            (default): the post-accumulate hook copies the gradient, times ``1/N``, into the
+            buffer. Same bits, same memory; the copy moves fewer bytes (one multiply-copy
+            against a zero and an add), so it is the default. See [Note: Gradients as bucket
+            views] in ``shardkit.ddp._reducer``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or the optimizer not a ShardedOptimizer.
@@ -154,6 +161,7 @@ class ShardedDataParallel(nn.Module):
         overlap_param_gather: bool = True,
         reduce_dtype: torch.dtype | None = None,
         keep_staging_buffers: bool = False,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -166,11 +174,15 @@ class ShardedDataParallel(nn.Module):
                 "group=process_group."
             )
         reduce_dtype = reduce_dtype_of(reduce_fp16, reduce_dtype)
-        if not isinstance(keep_staging_buffers, bool):
-            raise TypeError(
-                f"keep_staging_buffers must be a bool, got {type(keep_staging_buffers).__name__}:"
-                f" {keep_staging_buffers!r}"
-            )
+        for name, flag in (
+            ("keep_staging_buffers", keep_staging_buffers),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(
+                    f"{name} must be a bool, got {type(flag).__name__}: {flag!r}; pass True or "
+                    f"False"
+                )
         if elementwise is not None and not isinstance(elementwise, bool):
             raise TypeError(f"elementwise must be None or a bool, got {elementwise!r}")
         cap = cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
@@ -203,6 +215,8 @@ class ShardedDataParallel(nn.Module):
             self.load_optimizer_state_dict,
         )
         self._keep_staging = keep_staging_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        """See [Note: Gradients as bucket views] in ``shardkit.ddp._reducer``."""
         self._no_sync_entries = 0
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
@@ -270,6 +284,7 @@ class ShardedDataParallel(nn.Module):
             h.remove()
         self._reducer = _Reducer(buckets, self._comm, self.reduce_dtype)
         self._reducer.keep_pool = self._keep_staging
+        self._reducer.bucket_views = self.gradient_as_bucket_view
         self._reducer.enabled = not self._no_sync
         self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
         # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
