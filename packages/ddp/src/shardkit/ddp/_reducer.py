@@ -32,9 +32,10 @@ are the same). There is no staging copy. What stays is the gradient the autograd
 allocates for the param on every backward: no public API lets a kernel write into a given
 buffer (Megatron's gradient-accumulation fusion is a custom Linear autograd function and a
 CUDA kernel), and ``+=`` into a zeroed slice moves more bytes than the default's one
-multiply-copy. The default is therefore the copy: measured on the 8 x Linear(2048) backward on
-CPU both cost the same (+4% of backward each, within noise of each other); on a GPU the copy
-moves half the bytes. Staged by copy as before: the backward's first gradient (its pass has
+multiply-copy (a zero, an add and a scale: about three times the memory traffic). The default
+is therefore the copy: on the 8 x Linear(2048) step of ``bench_systems.py`` (CPU, one thread
+per rank) the views give 1.16x DDP against the copy's 1.04x; on a GPU, where bandwidth is the
+cost, the ratio of bytes is the same. Staged by copy as before: the backward's first gradient (its pass has
 not begun yet), a gradient accumulated under ``no_sync()``, a bucket reduced in another dtype
 ([Note: Reduce dtype]), and a ``.grad`` that ``AccumulateGrad`` replaced instead of adding
 into (``create_graph=True``). A view that no gradient reached by the end of backward counts as
@@ -201,8 +202,8 @@ class _Reducer:
         self.bucket_views = False
         """Let backward accumulate gradients straight into the staging buffers (see [Note:
         Gradients as bucket views])."""
-        self._views: dict[int, torch.Tensor] = {}
-        """``id(param)`` -> the staging view set as its ``.grad`` in this backward."""
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """``id(param)`` -> (param, the staging view set as its ``.grad`` in this backward)."""
         self.on_backward_start: Callable[[], None] | None = None
         """Called at the first gradient of a synchronised backward, before any collective of it
         (``ShardedDataParallel``'s agreement; see shardkit-optim's [Note: Call agreement])."""
@@ -275,7 +276,7 @@ class _Reducer:
             b.staging = self._acquire(b)
         view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
         view.zero_()
-        self._views[id(p)] = view
+        self._views[id(p)] = (p, view)
         p.grad = view
 
     # ------------------------------------------------------------------ clip state
@@ -371,6 +372,10 @@ class _Reducer:
         the earlier reduction has written it.
         """
         self.wait_inflight()
+        for p, view in self._views.values():  # left by a backward that raised before flush
+            if p.grad is view:
+                p.grad = None
+        self._views.clear()
         self.in_backward = True
         self.next_launch = 0
         for b in self.buckets:
@@ -378,7 +383,7 @@ class _Reducer:
 
     def _stage(self, b: _Bucket, i: int, grad: torch.Tensor | None) -> None:
         p = b.params[i]
-        view = self._views.pop(id(p), None)
+        _, view = self._views.pop(id(p), (None, None))
         if view is not None and grad is view:  # accumulated in place: scale only
             b.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
             view.mul_(self.scale)
@@ -424,7 +429,7 @@ class _Reducer:
                 for i in sorted(b.pending):
                     p = b.params[i]
                     grad = p.grad
-                    if self._views.pop(id(p), None) is grad:  # a view no gradient reached
+                    if self._views.pop(id(p), (None, None))[1] is grad:  # no gradient came
                         grad = None
                     self._stage(b, i, grad)
                     self._set_placeholder(p)
