@@ -31,7 +31,7 @@ order rotated every round, with a barrier before each; the figure per system is 
 rounds of ``t_system / t_ddp`` of the same round, with the quartiles. Memory: before the timing,
 each system alone is built, stepped once, and every live tensor storage is counted once
 (``shardkit.testing.live_storages``, plus each param's ``.grad``), minus what was alive before
-(bytes per param, rank 0). Overlap efficiency (shardkit ZeRO-2 and DDP): ``1 - (t_step -
+(bytes per param, rank 0). Overlap efficiency (DDP and every fp32 shardkit mode): ``1 - (t_step -
 t_compute) / t_comm`` with ``t_compute`` the same model's forward + backward + an AdamW step
 over this rank's share of the params with no communication, and ``t_comm`` the system's
 collectives of one step run alone: the fraction of communication time hidden behind compute
@@ -221,7 +221,8 @@ def _live_bytes_per_param(name: str, width: int, rank: int) -> float:
 
 def _comm_alone(system: _System, world: int, rank: int) -> float:
     """The system's collectives of one step, alone (DDP: all-reduce of its 25 MiB buckets;
-    shardkit ZeRO-2: the package's reduce-scatter + all-gather of its buckets)."""
+    shardkit ZeRO-2: the package's reduce-scatter + all-gather of its buckets; shardkit ZeRO-1:
+    DDP's all-reduce, then one broadcast of each rank's share of the params from that rank)."""
     if system.name.startswith("shardkit_zero2"):
         bufs = [(b.flat, b.shard) for b in system.model._buckets]
         t0 = time.perf_counter()
@@ -236,6 +237,9 @@ def _comm_alone(system: _System, world: int, rank: int) -> float:
     t0 = time.perf_counter()
     for chunk in flat.split(25 * 2**20 // 4):
         dist.all_reduce(chunk)
+    if system.name.startswith("shardkit_zero1"):
+        for src, share in enumerate(flat.tensor_split(world)):
+            dist.broadcast(share, src=src)
     return time.perf_counter() - t0
 
 
@@ -282,10 +286,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     }
     by_name = {s.name: s for s in systems}
     overlap: dict[str, float] = {}
-    for name, share in (("ddp", 1.0), ("shardkit_zero2", 1 / world),
-                        ("shardkit_zero2_sync_gather", 1 / world)):  # fmt: skip
-        if name not in by_name:
+    for name in by_name:
+        if (name != "ddp" and not name.startswith("shardkit_")) or name.endswith("bf16"):
             continue
+        share = 1.0 if name == "ddp" else 1 / world
         compute = _compute_alone(width, rank, share)
         t_compute = statistics.median([compute() for _ in range(4)])
         comm = []

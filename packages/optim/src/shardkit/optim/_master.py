@@ -242,3 +242,27 @@ def check_master_values(masters: object, params: Sequence[torch.Tensor]) -> dict
                 f"{idx} has shape {tuple(params[idx].shape)}: it was saved for a different model."
             )
     return masters
+
+
+def unscale_grads(
+    grads: Iterable[tuple[torch.Tensor, bool]], inv_scale: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """``ShardedGradScaler``'s unscale of local gradients, ZeRO-1's and ZeRO-2's alike.
+
+    Args:
+        grads: ``(gradient, stepped through a master)`` pairs. Gradients without a master are
+            multiplied by ``inv_scale`` in place; those with one are left as they are (the
+            caller queues ``inv_scale`` as a factor, applied in fp32 to the upcast gradient).
+        inv_scale: ``1 / scale``.
+
+    Returns:
+        One found-inf flag (fp32 0-d, 1.0 if any inf/nan) per device, torch's format.
+    """
+    found: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for g, has_master in grads:
+            flag = found.setdefault(g.device, torch.zeros((), dtype=torch.float32, device=g.device))
+            if not has_master:
+                g.mul_(inv_scale.to(device=g.device, dtype=g.dtype))
+            flag.copy_(torch.maximum(flag, (~torch.isfinite(g).all()).to(flag.dtype)))
+    return found

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from shardkit.optim._flat import FlatBucket
+from shardkit.optim._master import unscale_grads
 from shardkit.optim._state import _hyperparams as hyperparams
 from torch.optim import Optimizer
 
@@ -219,18 +220,14 @@ class ShardStepper:
                 f"{half[:5]}), where small gradients underflow; torch's GradScaler refuses the "
                 f"same. Build the ShardedOptimizer with master_dtype=torch.float32."
             )
-        found: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for b in buckets:
-                shard = b.grad_shard
-                if b.grad_fresh or shard is None:
-                    continue
-                flag = found.setdefault(
-                    b.device, torch.zeros((), dtype=torch.float32, device=b.device)
-                )
-                if not self.has_master(b):
-                    shard.mul_(inv_scale.to(device=shard.device, dtype=shard.dtype))
-                flag.copy_(torch.maximum(flag, (~torch.isfinite(shard).all()).to(flag.dtype)))
+        found = unscale_grads(
+            (
+                (b.grad_shard, self.has_master(b))
+                for b in buckets
+                if not b.grad_fresh and b.grad_shard is not None
+            ),
+            inv_scale,
+        )
         if self.master_dtype is not None:
             self.factors.append(inv_scale.detach().to(dtype=torch.float32).reshape(()).clone())
         return found

@@ -48,6 +48,7 @@ from shardkit.optim._master import (
     check_master_dtype,
     join_wire,
     needs_master,
+    unscale_grads,
 )
 from shardkit.optim._state import (
     _hyperparams,
@@ -659,18 +660,10 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         masters = self._masters
         if masters is None:
             return None
-        found: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for p in self._layout.params:
-                g = p.grad
-                if g is None:
-                    continue
-                flag = found.setdefault(
-                    g.device, torch.zeros((), dtype=torch.float32, device=g.device)
-                )
-                if not masters.covers(p):
-                    g.mul_(inv_scale.to(device=g.device, dtype=g.dtype))
-                flag.copy_(torch.maximum(flag, (~torch.isfinite(g).all()).to(flag.dtype)))
+        found = unscale_grads(
+            ((p.grad, masters.covers(p)) for p in self._layout.params if p.grad is not None),
+            inv_scale,
+        )
         masters.add_factor(inv_scale)
         return found
 
