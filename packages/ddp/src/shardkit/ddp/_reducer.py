@@ -34,8 +34,8 @@ buffer (Megatron's gradient-accumulation fusion is a custom Linear autograd func
 CUDA kernel), and ``+=`` into a zeroed slice moves more bytes than the default's one
 multiply-copy (a zero, an add and a scale: about three times the memory traffic). The default
 is therefore the copy: on the 8 x Linear(2048) step of ``bench_systems.py`` (CPU, one thread
-per rank) the views give 1.16x DDP against the copy's 1.04x; on a GPU, where bandwidth is the
-cost, the ratio of bytes is the same. Staged by copy as before: the backward's first gradient (its pass has
+per rank) the views gave 1.16x and 1.13x DDP against the copy's 1.04x and 1.10x in two
+runs; on a GPU, where bandwidth is the cost, the ratio of bytes is the same. Staged by copy as before: the backward's first gradient (its pass has
 not begun yet), a gradient accumulated under ``no_sync()``, a bucket reduced in another dtype
 ([Note: Reduce dtype]), and a ``.grad`` that ``AccumulateGrad`` replaced instead of adding
 into (``create_graph=True``). A view that no gradient reached by the end of backward counts as
