@@ -134,7 +134,7 @@ class ShardedDataParallel(nn.Module):
             gradient into, so there is no staging copy (DDP's option of that name). ``False``
             (default): the post-accumulate hook copies the gradient, times ``1/N``, into the
             buffer. Same bits, same memory; the copy moves fewer bytes (one multiply-copy
-            against a zero and an add), so it is the default. See [Note: Gradients as bucket
+            against a zero, an add and a scale), so it is the default. See [Note: Gradients as bucket
             views] in ``shardkit.ddp._reducer``.
 
     Raises:
