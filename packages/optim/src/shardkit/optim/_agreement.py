@@ -59,6 +59,7 @@ import torch.distributed as dist
 from shardkit.optim._dist import _comm_device
 from shardkit.optim._safe_reader import UnsafeCheckpointError
 from shardkit.optim._state import _hyperparams
+from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
 __all__ = [
@@ -78,9 +79,6 @@ hyperparams = _hyperparams
 
 logger = logging.getLogger("shardkit.optim")
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning per call) to
-# all_gather_single; older torch has only the first.
-_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _warned_values = False
 
 
@@ -456,7 +454,7 @@ def agree_clip(
         ]
     )
     out = torch.empty(world * 3, dtype=torch.float64, device=local.device)
-    _all_gather_single(out, mine, group=group)
+    all_gather_single(out, mine, group=group)
     rows = out.view(world, 3)
     settings = rows[:, 1:].tolist()
     if any(s != settings[0] for s in settings):

@@ -31,6 +31,7 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._state import _hyperparams as hyperparams
+from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
 __all__ = [
@@ -46,13 +47,9 @@ AllGather = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], object]
 one ``output`` tensor; a driver passes its own to count the bytes. The default is torch's
 single-tensor all-gather (``all_gather_single``, ``all_gather_into_tensor`` before it)."""
 
-_all_gather_single: Callable[..., Any] = getattr(
-    dist, "all_gather_single", dist.all_gather_into_tensor
-)
-
 
 def _default_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:
-    return _all_gather_single(out, inp, group=group)
+    return all_gather_single(out, inp, group=group)
 
 
 def _index(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:

@@ -31,9 +31,16 @@ from typing import Any
 
 import torch
 import torch.autograd.profiler as autograd_profiler
+import torch.distributed as dist
 from torch.autograd import Variable
 
-__all__ = ["profiler_range", "queue_end_of_backward"]
+__all__ = ["all_gather_single", "profiler_range", "queue_end_of_backward"]
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning per call) to
+# all_gather_single; older torch has only the first.
+all_gather_single: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
 
 logger = logging.getLogger("shardkit.optim")
 _logged_no_flag = False
