@@ -10,7 +10,9 @@ included):
 - ``zero2``: ``ShardedDataParallel`` (sharded gradients; a small bucket cap, so params straddle
   the ranks' ranges and are stepped as pieces);
 - ``zero2_views``: the same with ``gradient_as_bucket_view=True`` (backward accumulates into
-  the staging buffers; the no_sync gradient and the first of each backward are still copied).
+  the staging buffers; the no_sync gradient and the first of each backward are still copied);
+- ``zero2_sync``: ``zero2`` with ``overlap_param_gather=False`` (the default, ``zero2``, leaves
+  the param gathers to the next forward, behind the param-access guard).
 
 Over the full product of
 
@@ -105,6 +107,7 @@ class _Mode:
                 self.opt,
                 reduce_buffer_size=cap,
                 gradient_as_bucket_view=mode == "zero2_views",
+                overlap_param_gather=mode != "zero2_sync",
             )
             self.model: nn.Module = self.sdp
         else:
@@ -192,7 +195,7 @@ def _expect_second_backward_refused(got: _Mode, ref_net: _Net) -> None:
     del ref_net
 
 
-@pytest.mark.parametrize("mode", ["zero1_ddp", "zero1_overlap", "zero2", "zero2_views"])
+@pytest.mark.parametrize("mode", ["zero1_ddp", "zero1_overlap", "zero2", "zero2_sync", "zero2_views"])
 @world(2, timeout=300)
 def test_unused_params_and_accumulation_match_ddp(mode: str) -> None:
     for optim, pattern, backwards in itertools.product(_OPTIMS, _USE, _BACKWARDS):

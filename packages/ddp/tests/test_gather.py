@@ -1,38 +1,53 @@
-"""Param all-gathers overlapped with the next forward (``overlap_param_gather``, default): what
-waits for them, and the probe that finds params read before their owners' pre-hooks ([Note:
-Deferred param gather], [Note: Gather probe] in ``shardkit.ddp._gather``)."""
+"""Param all-gathers overlapped with the next forward (``overlap_param_gather``, default), and
+the guard that makes them invisible: every torch function on the training thread that touches
+a param whose gather is pending waits for that bucket first ([Note: Deferred param gather] in
+``shardkit.ddp._gather``, [Note: Param access guard] in ``shardkit.ddp._guard``).
+
+The post-step accesses of users (EMA, norms, clamps, load_state_dict) are checked bit for bit
+against DDP in ``tests-integration/test_post_step_access_parity.py``; this module checks the
+mechanism: which accesses wait, for which bucket only, and that the mode leaves the stack."""
 
 from __future__ import annotations
 
 import copy
+import gc
+import io
+import threading
+import weakref
 
 import pytest
-import shardkit.ddp._gather as _gather_module
+import shardkit.ddp._guard as guard_module
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from shardkit.ddp import ShardedDataParallel
 from shardkit.optim import ShardedOptimizer
-from shardkit.testing import captured_logs, world
+from shardkit.testing import world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 
 
 class _Functional(nn.Module):
     """``early`` is never called as a module: its params are read functionally by the parent
-    (before any pre-hook of their owner could wait for them); ``tied``'s weight is also read by
-    ``head`` after ``tied`` ran (safe)."""
+    (before any pre-hook of their owner could wait for them), and ``aux`` only from step 2 on
+    (a path the first forward does not take); ``tied``'s weight is also read by ``head``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.early = nn.Linear(6, 6)
         self.tied = nn.Linear(6, 6)
+        self.aux = nn.Linear(6, 2)
         self.head = nn.Linear(6, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         h = torch.tanh(nn.functional.linear(x, self.early.weight, self.early.bias))
         h = torch.tanh(self.tied(h))
         h = h + nn.functional.linear(h, self.tied.weight)
-        return self.head(h)
+        out = self.head(h)
+        if step >= 2:
+            out = out + nn.functional.linear(h, self.aux.weight, self.aux.bias)
+        return out
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,70 +55,82 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
 
 
+def _stack() -> list[TorchFunctionMode]:
+    """This thread's torch-function mode stack, bottom first."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+def _guard() -> guard_module._ParamGuard | None:
+    return getattr(guard_module._local, "guard", None)
+
+
+def _clean() -> list[TorchFunctionMode]:
+    """No guard left on the stack by an earlier test in this reused worker; the stack."""
+    guard = _guard()
+    if guard is not None:
+        for gather in list(guard.gathers):
+            gather.wait_all()
+        guard_module.settle()
+    return _stack()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @world(2)
-def test_params_read_outside_their_module_are_gathered_at_the_step(overlap: bool) -> None:
+def test_params_read_on_any_path_in_forward_match_ddp(overlap: bool) -> None:
     torch.manual_seed(0)
     ref_m = _Functional()
     m = copy.deepcopy(ref_m)
-    ref, ref_opt = DDP(ref_m), torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    ref = DDP(ref_m, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
-    # one bucket per param: the probe's finding is per bucket
+    # one bucket per param: a bucket of its own is what a functional read could find stale
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0, overlap_param_gather=overlap)
-    _gather_module._logged_sync = False  # logged once per process: workers may be reused
-    with captured_logs("shardkit.ddp") as logs:
-        for step in range(4):
-            x, y = _batch(step)
-            nn.functional.mse_loss(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            # no zero_grad() needed (the step consumed the gradients): the next forward is
-            # what waits for the gathers, module by module
-            nn.functional.mse_loss(sdp(x), y).backward()
-            opt.step()
-            if overlap:
-                assert set(sdp._gather.pending) == {b.index for b in sdp._buckets} - early(sdp)
-            else:
-                assert not sdp._gather.pending
-    warned = logs.matching("read in forward before any module owning them ran")
-    if overlap:
-        assert sdp._gather.sync == early(sdp)  # tied.weight is read after tied ran: overlapped
-        assert len(warned) == 1 and "early.weight" in warned[0], warned
-    else:
-        assert not warned
-    got = m.state_dict()  # waits
-    for n, p in ref_m.named_parameters():
-        assert torch.equal(p, got[n]), n
-
-
-def early(sdp: ShardedDataParallel) -> set[int]:
-    m = sdp.module
-    assert isinstance(m, _Functional)
-    return {sdp._gather.bucket_of[id(p)] for p in m.early.parameters()}
+    before = _clean()
+    for step in range(6):
+        x, y = _batch(step)
+        nn.functional.mse_loss(ref(x, step), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(sdp(x, step), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if overlap:  # every gather is left to the next access, none is forced at the step
+            assert set(sdp._gather.pending) == {b.index for b in sdp._buckets}
+            assert _stack() == [*before, _guard()]
+        else:
+            assert not sdp._gather.pending and _stack() == before
+    for (n, a), b in zip(ref_m.named_parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b), n  # the guard waited for each read: no wait_params() needed
+    assert not sdp._gather.pending
 
 
 @world(2)
-def test_what_waits_for_the_param_gathers() -> None:
+def test_an_access_waits_for_its_own_bucket_only() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
     x = torch.randn(2, 3)
+    w0, w2 = m[0].weight, m[2].weight
+    alias = w0.data  # taken before the step: matched by storage, not identity
+    bucket = {id(p): b.index for b in sdp._buckets for p in b.params}
     sdp(x).sum().backward()
     opt.step()
-    assert sdp._gather.pending
-    list(m.parameters())  # the wrapped module's own parameters() does not wait
-    assert sdp._gather.pending
-    list(sdp.parameters())  # the wrapper's does
-    assert not sdp._gather.pending
+    assert len(sdp._gather.pending) == 4
+    list(m.parameters())
+    list(sdp.parameters())
+    _ = (w0.shape, w0.grad, w0.dtype, w0.size(), w0.numel(), w0.stride(), hash(w0))
+    assert len(sdp._gather.pending) == 4  # references and metadata read no values
+    alias.sum()
+    assert set(sdp._gather.pending) == {bucket[id(p)] for p in (m[0].bias, w2, m[2].bias)}
+    w2.detach()[0].tolist()  # a view of a detached alias
+    assert bucket[id(w2)] not in sdp._gather.pending
+    opt.zero_grad()  # touches no param: the rest waits for the forward
+    assert len(sdp._gather.pending) == 2
     sdp(x).sum().backward()
-    opt.step()
-    opt.zero_grad()  # zero_grad touches no param: it leaves the gathers to the forward
-    assert sdp._gather.pending
-    sdp(x).sum().backward()  # the forward waited, module by module
-    assert not sdp._gather.pending
-    opt.step()
-    sdp(x).sum().backward()
+    assert not sdp._gather.pending and sdp._gather.guard is None
     opt.step()
     sdp.eval()
     with torch.no_grad():
@@ -112,7 +139,7 @@ def test_what_waits_for_the_param_gathers() -> None:
 
 
 @world(2)
-def test_load_state_dict_after_a_step_is_not_overwritten_by_the_gathers() -> None:
+def test_writes_between_step_and_forward_are_kept() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     saved = copy.deepcopy(m.state_dict())
@@ -121,8 +148,120 @@ def test_load_state_dict_after_a_step_is_not_overwritten_by_the_gathers() -> Non
     sdp(torch.randn(2, 3)).sum().backward()
     opt.step()
     assert sdp._gather.pending
+    with torch.no_grad():
+        m[0].weight.clamp_(-0.01, 0.01)  # WGAN's clip: other ranks' ranges included
+        torch._foreach_mul_([m[0].bias.data], 0.0)
+    assert len(sdp._gather.pending) == 2
     m[2].load_state_dict({k[2:]: v for k, v in saved.items() if k.startswith("2.")})
-    assert not sdp._gather.pending  # a submodule's load waited for the gathers first
-    sdp.wait_params()
+    assert not sdp._gather.pending
     for k, v in m[2].state_dict().items():
         assert torch.equal(v, saved[f"2.{k}"]), k
+    assert m[0].weight.abs().max() <= 0.01 and not m[0].bias.any()
+
+
+@world(2)
+def test_saves_with_gathers_pending_write_the_gathered_values(tmp_path: str) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 40), nn.Tanh(), nn.Linear(40, 3))
+    ref_m = copy.deepcopy(m)
+    ref, ref_opt = DDP(ref_m), torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
+    captured = dict(m.named_parameters())
+    x = torch.randn(2, 3)
+    for model, o in ((ref, ref_opt), (sdp, opt)):
+        model(x).sum().backward()
+        o.step()
+    assert len(sdp._gather.pending) == 4
+    buf = io.BytesIO()
+    torch.save(captured["2.weight"], buf)  # one param, by a reference taken before the step
+    buf.seek(0)
+    assert torch.equal(torch.load(buf), ref_m[2].weight)
+    assert len(sdp._gather.pending) == 3
+    path = f"{tmp_path}/dcp-{dist.get_rank()}"
+    writer = dcp.FileSystemWriter(path, thread_count=2)
+    dcp.save({"w": captured["0.weight"]}, storage_writer=writer, no_dist=True)
+    out = {"w": torch.empty_like(ref_m[0].weight)}
+    dcp.load(out, checkpoint_id=path, no_dist=True)
+    assert torch.equal(out["w"], ref_m[0].weight)
+
+
+class _CountOps(TorchFunctionMode):
+    """A user's own mode (a FLOP or op counter, ``torch.device(...)``), entered around a
+    forward while the guard is on the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@world(2)
+def test_guard_leaves_the_stack_under_the_users_modes() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
+    before = _clean()
+    x = torch.randn(2, 3)
+    sdp(x).sum().backward()
+    opt.step()
+    guard = _guard()
+    assert _stack() == [*before, guard]
+    with _CountOps() as counter:
+        assert _stack() == [*before, guard, counter]
+        loss = sdp(x).sum()  # the last pre-hook waits: the guard leaves...
+        assert _stack() == [*before, counter]  # ...from under the user's mode, which stays
+        loss.backward()
+    assert _stack() == before
+    assert counter.ops > 0
+    opt.step()
+    box: list[bool] = []
+    thread = threading.Thread(target=lambda: box.append(guard in _stack()))
+    thread.start()
+    thread.join()
+    assert box == [False]  # per-thread stacks: another thread is not guarded (README: wait_params)
+    sdp.wait_params()
+    assert _stack() == before
+
+
+@world(2)
+def test_guard_is_not_armed_without_overlap() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(m, opt, overlap_param_gather=False)
+    before = _clean()
+    sdp(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert _stack() == before and not sdp._gather.pending
+
+
+@world(2)
+def test_a_wrapper_whose_last_gathers_nobody_touches_leaves_the_guard() -> None:
+    """Training ends after a step() and the model is dropped: its finished gathers are
+    forgotten by the guard's polling, so the guard neither keeps it alive nor keeps inspecting
+    every op, and one guard serves every wrapper (no pile-up over runs)."""
+    before = _clean()
+    for run in range(3):
+        torch.manual_seed(run)
+        m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
+        sdp(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        guard = _guard()
+        assert guard is not None and guard.gathers == [sdp._gather]
+        assert _stack() == [*before, guard]  # one guard, however many wrappers stepped
+        alive = weakref.ref(sdp)
+        del m, opt, sdp
+        dist.barrier()  # every rank issued its gathers: they finish
+        t = torch.zeros(3)
+        for _ in range(4 * guard_module._POLL):
+            t.add_(1)  # unrelated work on the training thread
+        assert guard.gathers == []
+        gc.collect()
+        assert alive() is None  # see [Note: Post-accumulate hooks hold weakly] too

@@ -6,46 +6,29 @@ returns, issued in *reverse* bucket order (buckets are planned in reverse regist
 so this is roughly the order forward needs them; the order is the same on every rank). A
 pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
 holds params of that bucket (FSDP2's pre-forward unshard, Megatron's ``overlap_param_gather``),
-and by everything that reads or writes the flat buffers outside forward: ``wait_params()``,
-the wrapper's ``parameters()`` / ``named_parameters()``, the next step, clipping,
-``state_dict()`` and ``load_state_dict()`` of the wrapper, the wrapped module or any submodule
-holding params, ``copy.deepcopy``, the optimizer's state dicts and checkpoints. ``zero_grad()`` touches no param and does not wait (the usual loop calls
-it right before the forward the gathers overlap). A bucket whose params no forward touches is
-waited for by the next step at the latest. Reading a param anywhere else before the next
-forward (an EMA update, logging its norm, the wrapped module's own ``parameters()``) needs
-``wait_params()`` first.
-
-[Note: Gather probe]
-The pre-hook of a module waits for the buckets of the params that module *owns*. A param read
-in a forward before any of its bucket's owners ran (a weight tied into an earlier module, a
-param used functionally by a parent, a param of a module that never runs) would read the
-previous step's values. So the first forward after the layout is built runs under a
-``TorchFunctionMode`` that records, for every op, which bucketed params it reads, and whether
-their bucket was waited for by an owner's pre-hook earlier in that forward. The buckets read
-too early are gathered synchronously at the end of every later step (logged once, naming the
-params), the others stay overlapped. A later forward that takes another path than the probed
-one is not re-checked: call ``wait_params()`` before such a forward, or pass
-``overlap_param_gather=False``.
+and, for every other access, by the param-access guard ([Note: Param access guard] in
+``shardkit.ddp._guard``): any torch function on the training thread that touches the storage of
+a pending bucket waits for it first, so reads and writes between ``step()`` and the next
+forward, or in a forward on a path no pre-hook covers, see what DDP would show. The wrapper's
+own entry points that read every param (the next step, clipping, ``wait_params()``,
+``state_dict()`` / ``load_state_dict()`` of any module holding params, ``copy.deepcopy``, the
+optimizer's state dicts and checkpoints) wait for all of them at once. ``zero_grad()`` touches
+no param and does not wait (the usual loop calls it right before the forward the gathers
+overlap). A bucket whose params nothing touches is waited for by the next step at the latest.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from shardkit.ddp._comm import _Comm, _Pending
+from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
 from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._ranges import phase
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 __all__: list[str] = []
-
-logger = logging.getLogger("shardkit.ddp")
-_logged_sync = False
 
 
 class _ParamGather:
@@ -58,128 +41,70 @@ class _ParamGather:
         self.pending: dict[int, _Pending] = {}
         self.module_buckets: dict[nn.Module, list[int]] = {}
         """Buckets of the params each module owns directly (``recurse=False``)."""
-        self.bucket_of: dict[int, int] = {}
-        """``id(param)`` -> bucket index."""
-        self.names: dict[int, str] = {}
-        self.sync: set[int] = set()
-        """Buckets the probe found read before their owners' pre-hooks ([Note: Gather probe])."""
-        self.probe_next = True
-        self._waited: set[int] | None = None
+        self.spans = _Spans(())
+        """Byte ranges of the flat buffers (see [Note: Param access guard])."""
+        self.guard: _ParamGuard | None = None
+        """The guard this gather is registered with while something is pending."""
 
     def rebuild(self, buckets: Sequence[_Bucket], module: nn.Module) -> None:
-        """Takes a (re)built bucket layout; the next forward is probed again."""
-        self.bucket_of = {id(p): b.index for b in buckets for p in b.params}
-        self.names = {id(p): n for n, p in module.named_parameters()}
+        """Takes a (re)built bucket layout (every gather of the old one was waited for)."""
+        bucket_of = {id(p): b.index for b in buckets for p in b.params}
         self.module_buckets = {}
         for sub in module.modules():
-            own = sorted({self.bucket_of[id(p)] for p in sub.parameters(recurse=False)
-                          if id(p) in self.bucket_of})  # fmt: skip
+            own = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False)
+                          if id(p) in bucket_of})  # fmt: skip
             if own:
                 self.module_buckets[sub] = own
-        self.sync = set()
-        self.probe_next = True
+        self.spans = _Spans((b.index, b.flat) for b in buckets)
 
     def issue(self, buckets: Sequence[_Bucket]) -> None:
         """All-gathers every rank's range of ``buckets`` (async); waits at once unless
-        overlapped (then only for the buckets the probe found read too early)."""
+        overlapped, else arms the guard ([Note: Param access guard])."""
         with torch.no_grad():
             for b in reversed(buckets):
                 # In place: this rank's range is both the input and its own output chunk (NCCL
                 # supports it; Gloo gathers into a buffer of its own and copies back). Nothing
-                # writes the range before the gather is waited for: the next step waits first.
+                # writes the range before the gather is waited for: the guard makes every
+                # access wait first.
                 self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.rank))
         if not self.overlap:
             self.wait_all()
-            return
-        for b in buckets:
-            if b.index in self.sync:
-                self._wait(b.index)
+        elif self.pending:
+            self.guard = arm(self)
 
-    def _wait(self, index: int) -> None:
+    def wait(self, index: int) -> None:
+        """Waits for bucket ``index``'s gather if it is pending."""
         pending = self.pending.pop(index, None)
         if pending is not None:
             with phase("wait_params", index):
                 self.comm.wait(pending)
+            self._drained()
 
     def wait_all(self) -> None:
         """Waits for every gather still in flight."""
-        if not self.pending:
-            return
-        with phase("wait_params"):
-            for index in sorted(self.pending, reverse=True):
-                self.comm.wait(self.pending.pop(index))
+        if self.pending:
+            with phase("wait_params"):
+                for index in sorted(self.pending, reverse=True):
+                    self.comm.wait(self.pending.pop(index))
+            self._drained()
+        settle()
 
     def before_module(self, module: nn.Module) -> None:
         """Forward pre-hook body: waits for the buckets ``module``'s own params are in."""
-        own = self.module_buckets.get(module, ())
-        if self._waited is not None:
-            self._waited.update(own)
         if self.pending:
-            for index in own:
-                self._wait(index)
+            for index in self.module_buckets.get(module, ()):
+                self.wait(index)
+        settle()
 
-    @contextmanager
-    def probed(self) -> Iterator[None]:
-        """Runs the enclosed forward under the probe if one is due ([Note: Gather probe])."""
-        if not (self.overlap and self.probe_next and self.bucket_of):
-            yield
-            return
-        self.probe_next = False
-        self._waited = set()
-        early: dict[int, str] = {}
-        try:
-            with _ReadProbe(self.bucket_of, self._waited, self.names, early):
-                yield
-        finally:
-            self._waited = None
-        self.sync = set(early)
-        global _logged_sync
-        if early and not _logged_sync:
-            _logged_sync = True
-            logger.warning(
-                "ShardedDataParallel(overlap_param_gather=True): params read in forward before "
-                "any module owning them ran (%s); their %d bucket(s) are gathered synchronously "
-                "at the end of each step, the others overlap the next forward (logged once)",
-                ", ".join(sorted(set(early.values()))[:5]),
-                len(early),
-            )
+    def forget_finished(self) -> None:
+        """Forgets the gathers whose work has finished (nothing to wait for): a wrapper whose
+        last gathers nothing touches leaves the guard ([Note: Param access guard])."""
+        for index, pending in list(self.pending.items()):
+            if pending.work is None or pending.work.is_completed():
+                self.wait(index)
 
-
-class _ReadProbe(TorchFunctionMode):
-    """Records bucketed params read before their bucket was waited for."""
-
-    def __init__(
-        self,
-        bucket_of: dict[int, int],
-        waited: set[int],
-        names: dict[int, str],
-        early: dict[int, str],
-    ) -> None:
-        super().__init__()
-        self.bucket_of = bucket_of
-        self.waited = waited
-        self.names = names
-        self.early = early
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        for t in _shallow(args, kwargs):
-            index = self.bucket_of.get(id(t))
-            if index is not None and index not in self.waited and index not in self.early:
-                self.early[index] = self.names.get(id(t), f"a param of bucket {index}")
-        return func(*args, **kwargs)
-
-
-def _shallow(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """Tensors among the arguments and one level of lists / tuples in them."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
+    def _drained(self) -> None:
+        if not self.pending and self.guard is not None:
+            if self in self.guard.gathers:
+                self.guard.gathers.remove(self)
+            self.guard = None

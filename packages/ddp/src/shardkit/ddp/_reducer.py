@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -175,6 +176,30 @@ def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
     )
 
 
+class _WeakHook:
+    """The post-accumulate-grad hook of a bucketed param: calls ``_Reducer.on_grad`` through a
+    weak reference.
+
+    [Note: Post-accumulate hooks hold weakly]
+    torch keeps a param's post-accumulate-grad hooks where the garbage collector cannot see
+    them, so a hook that refers (through the reducer, its buckets) back to the param forms a
+    cycle that is never collected: every ``ShardedDataParallel`` built in a process, its model
+    and its optimizer would stay alive for good (measured: a dropped wrapper was never freed).
+    The hook holds the reducer weakly instead; the wrapper holds it strongly. The tensor hooks
+    (``register_hook``) are visible to the collector and hold it directly.
+    """
+
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: _Reducer) -> None:
+        self.reducer = weakref.ref(reducer)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        reducer = self.reducer()
+        if reducer is not None:
+            reducer.on_grad(p)
+
+
 def is_placeholder(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a reduced-grad placeholder (see [Note: Reduced-grad placeholders])."""
     return type(t) is _ReducedGrad
@@ -240,7 +265,7 @@ class _Reducer:
             for p in b.params:
                 param = cast(Any, p)
                 handles.append(param.register_hook(functools.partial(self.before_grad, p)))
-                handles.append(param.register_post_accumulate_grad_hook(self.on_grad))
+                handles.append(param.register_post_accumulate_grad_hook(_WeakHook(self)))
         return handles
 
     def _set_placeholder(self, p: torch.Tensor) -> None:

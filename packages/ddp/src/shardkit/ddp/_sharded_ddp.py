@@ -107,16 +107,15 @@ class ShardedDataParallel(nn.Module):
         overlap_param_gather: ``True`` (default): the param all-gathers of ``step()`` are
             left in flight, in forward order, and a forward pre-hook of each submodule waits
             only for the buckets of its own params, so the gathers overlap the next forward
-            (FSDP2's prefetch, Megatron's overlap-param-gather). The wrapper's
-            ``parameters()``, ``state_dict()`` / ``load_state_dict()`` of any module holding
-            params, ``copy.deepcopy``, the optimizer's state dicts and checkpoints, clipping
-            and the next step wait by themselves (``zero_grad()`` does not: it touches no
-            param); params read anywhere else before the next forward (an EMA update, logging
-            a norm, the wrapped module's own ``parameters()``) need :meth:`wait_params` first. Params the first forward reads
-            before any module owning them ran (tied or functional use) are found by a probe
-            and gathered synchronously. ``False``: ``step()`` returns once every param is
-            gathered. See [Note: Deferred param gather] and [Note: Gather probe] in
-            ``shardkit.ddp._gather``.
+            (FSDP2's prefetch, Megatron's overlap-param-gather). Invisible to the user: until
+            the last gather is waited for, any torch function on the training thread that
+            touches a param whose gather is pending (through any module, reference, view or
+            ``.data`` alias: an EMA update, a norm, an in-place clamp, ``load_state_dict``, a
+            functional use in forward) waits for it first, so it reads and writes what DDP
+            would show. Another thread, raw pointers and C++ extensions are not seen: call
+            :meth:`wait_params` before them. ``False``: ``step()`` returns once every param is
+            gathered. See [Note: Deferred param gather] in ``shardkit.ddp._gather`` and
+            [Note: Param access guard] in ``shardkit.ddp._guard``.
         reduce_dtype: the dtype gradients are staged and reduce-scattered in (``None``: each
             bucket's own dtype). ``torch.float16`` / ``torch.bfloat16`` on an fp32 model halve
             the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
@@ -376,8 +375,7 @@ class ShardedDataParallel(nn.Module):
             with torch.no_grad(), phase("broadcast_buffers"):
                 for buf in buffers:
                     self._comm.broadcast(buf, 0)
-        with self._gather.probed():  # See [Note: Gather probe] in shardkit.ddp._gather
-            out = self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         return out
 
@@ -547,19 +545,13 @@ class ShardedDataParallel(nn.Module):
         )
 
     def wait_params(self) -> None:
-        """Waits for every param all-gather still in flight: call it before reading params
-        outside a forward between ``step()`` and the next forward (an EMA update, logging).
-        See [Note: Deferred param gather] in ``shardkit.ddp._gather``."""
-        self._gather.wait_all()
+        """Waits for every param all-gather still in flight.
 
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters`` (and so ``parameters()``) of the wrapper, once the param
-        gathers in flight are done. The wrapped module's own ``parameters()`` does not wait:
-        see [Note: Deferred param gather] in ``shardkit.ddp._gather``."""
-        self.wait_params()
-        return super().named_parameters(prefix, recurse, remove_duplicate)
+        Torch functions on the training thread wait by themselves ([Note: Param access guard]
+        in ``shardkit.ddp._guard``); call this before params are read where no torch function
+        is seen: from another thread, through a raw pointer or a C++ extension.
+        """
+        self._gather.wait_all()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._gather.before_module(module)

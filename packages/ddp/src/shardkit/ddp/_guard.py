@@ -1,0 +1,217 @@
+"""The param-access guard: what keeps the deferred param gathers invisible.
+
+[Note: Param access guard]
+With ``overlap_param_gather`` (default) ``step()`` returns while the param all-gathers are still
+in flight ([Note: Deferred param gather] in ``shardkit.ddp._gather``). Until a bucket's gather
+is waited for, the ranges of its flat buffer that other ranks own hold the previous step's
+values, and a write there would be overwritten when the gather lands. DDP, FSDP2 and DeepSpeed
+have no such window, so a user's read or write in it must not see one either: an EMA update, a
+norm logged after ``step()``, ``p.clamp_()`` (WGAN), ``load_state_dict``, or a forward that
+reads a param through another path than its module (a functional head, a tied weight).
+
+So from the end of ``step()`` until the last pending gather is waited for, a
+``TorchFunctionMode`` (:class:`_ParamGuard`) sits on the training thread's torch-function mode
+stack. Every torch function called on that thread passes through it (torch ops, tensor
+methods, ``.detach()``, ``.numpy()``, ``.tolist()``, ``foreach`` ops, in-place writes,
+``copy_`` in ``load_state_dict``, ``untyped_storage()`` in ``torch.save`` / DCP): before the op
+runs, each tensor among its arguments (and one level of lists / tuples, and keyword arguments
+such as ``out=``) is matched by its *storage*, not its identity: its ``data_ptr()`` is looked
+up among the byte ranges of the flat buffers, so a param, any view of it, ``p.data``, a
+``detach()`` alias or a reference captured before the step are all recognised. If its bucket's
+gather is pending, the guard waits for that gather first. Only metadata reads that touch no
+values (property getters such as ``.shape`` / ``.grad`` / ``.data`` (an alias, itself guarded
+when used), ``size()``, ``stride()``, ``numel()``, ``__hash__``, hook registration) pass without
+waiting. The per-module forward pre-hooks still wait for each module's own buckets first, in
+forward order; the guard catches everything else, on any path, in every forward, not only a
+probed first one.
+
+One guard per thread serves every wrapper (:func:`arm` registers a wrapper's gathers with
+the guard of the thread that steps it): it is pushed at the end of a ``step()`` and leaves the
+stack at the next point where a wrapper's own code runs (a forward pre-hook,
+``wait_params()``, a step) once no gather is pending, wherever it then sits in the stack (the
+user may have entered modes above it; see ``shardkit.ddp._torch_compat``). While it is on the
+stack with nothing pending it only forwards each call. A wrapper whose last gathers nothing
+ever touches (training ended after a ``step()``) must not keep the guard busy or itself
+alive: every few calls the guard also polls the pending works and forgets the finished ones
+(a finished work needs no wait), and a wrapper with nothing pending leaves the guard.
+
+What it cannot see: another thread (the mode stack is per thread), a raw pointer taken before
+the step and used later (``data_ptr()`` itself is guarded), C++ / CUDA extensions that read the
+params without a torch function, tensor subclasses that wrap a param view (their inner ops run
+inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
+``ddp.wait_params()`` before any of these (or pass ``overlap_param_gather=False``).
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from shardkit.ddp._torch_compat import push_function_mode, remove_function_mode
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__: list[str] = []
+
+# Torch functions that read no values of their tensor arguments and return no new storage:
+# they never wait. A property getter (``__get__``) returns metadata or an alias (``.data``,
+# ``.T``, ``.real``), which is guarded in turn when an op uses it.
+_NO_VALUES = frozenset(
+    (
+        "__get__",
+        "__set__",
+        "__hash__",
+        "__len__",
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "is_inference",
+        "get_device",
+        "requires_grad_",
+        "retain_grad",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+    )
+)
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _Spans:
+    """The byte ranges of the flat buffers, sorted: which bucket a ``data_ptr()`` falls in."""
+
+    def __init__(self, flats: Iterable[tuple[int, torch.Tensor]]) -> None:
+        spans = sorted(
+            (flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size(), index)
+            for index, flat in flats
+            if flat.numel() > 0
+        )
+        self.starts = [s for s, _, _ in spans]
+        self.ends = [e for _, e, _ in spans]
+        self.indices = [i for _, _, i in spans]
+
+    def bucket_at(self, ptr: int) -> int | None:
+        k = bisect_right(self.starts, ptr) - 1
+        return self.indices[k] if k >= 0 and ptr < self.ends[k] else None
+
+
+_POLL = 32
+"""Every this many inspected calls, the guard forgets the gathers that have finished."""
+
+
+class _Gathers(Protocol):
+    """What the guard needs of one wrapper's param gathers (``shardkit.ddp._gather``)."""
+
+    @property
+    def spans(self) -> _Spans: ...
+
+    @property
+    def pending(self) -> dict[int, Any]: ...
+
+    def wait(self, index: int) -> None: ...
+
+    def forget_finished(self) -> None: ...
+
+
+class _ParamGuard(TorchFunctionMode):
+    """Waits for a pending param gather before a torch function touches its bucket.
+
+    See [Note: Param access guard]. One per thread (:func:`arm`), shared by every wrapper.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers: list[_Gathers] = []
+        """The wrappers' gathers with something pending."""
+        self.on_stack = False
+        self.depth = 0
+        """How many of this guard's calls are running (the mode is off the stack meanwhile)."""
+        self.calls = 0
+        """Torch functions that passed through since construction (for the benchmarks)."""
+        self.inspected = 0
+        """Of those, the ones whose arguments were matched against pending buckets."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        self.calls += 1
+        if self.gathers and getattr(func, "__name__", None) not in _NO_VALUES:
+            self.inspected += 1
+            self.depth += 1
+            try:
+                gathers = tuple(self.gathers)
+                for a in args:
+                    _touch(gathers, a)
+                for a in kwargs.values():
+                    _touch(gathers, a)
+                if self.inspected % _POLL == 0:
+                    for g in gathers:
+                        g.forget_finished()
+            finally:
+                self.depth -= 1
+        return func(*args, **kwargs)
+
+
+_local = threading.local()
+
+
+def arm(gather: _Gathers) -> _ParamGuard:
+    """Registers ``gather`` (which has gathers pending) with this thread's guard and pushes the
+    guard on this thread's mode stack if it is not there; returns the guard."""
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is None:
+        guard = _local.guard = _ParamGuard()
+    if gather not in guard.gathers:
+        guard.gathers.append(gather)
+    if not guard.on_stack:
+        push_function_mode(guard)
+        guard.on_stack = True
+    return guard
+
+
+def settle() -> None:
+    """Takes this thread's guard off its mode stack if no gather is pending (at the wrappers'
+    own entry points only: inside one of the guard's calls the mode is off the stack)."""
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is not None and guard.on_stack and not guard.gathers and not guard.depth:
+        remove_function_mode(guard)
+        guard.on_stack = False
+
+
+def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
+    """Waits for the pending gather of every bucket ``a`` (a tensor, or a list / tuple of
+    them) points into."""
+    if type(a) in _PLAIN:
+        _wait_for(gathers, a)
+    elif type(a) is list or type(a) is tuple:
+        for t in a:
+            if type(t) in _PLAIN:
+                _wait_for(gathers, t)
+
+
+def _wait_for(gathers: tuple[_Gathers, ...], t: torch.Tensor) -> None:
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # no storage (sparse, nested): not a view of a flat buffer
+        return
+    for g in gathers:
+        index = g.spans.bucket_at(ptr)
+        if index is not None and index in g.pending:
+            g.wait(index)

@@ -1,0 +1,63 @@
+"""Pins the private torch APIs of ``shardkit.ddp._torch_compat``: the torch-function mode stack
+the param-access guard is pushed on and taken off ([Note: Param access guard])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from shardkit.ddp._torch_compat import push_function_mode, remove_function_mode
+from torch.overrides import TorchFunctionMode
+
+
+class _Tag(TorchFunctionMode):
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__()
+        self.name = name
+        self.log = log
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.log.append(self.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_remove_a_mode_from_under_another_keeps_the_others_in_order() -> None:
+    log: list[str] = []
+    low, mid, top = _Tag("low", log), _Tag("mid", log), _Tag("top", log)
+    depth = torch._C._len_torch_function_stack()
+    t = torch.ones(1)
+    with low:
+        push_function_mode(mid)
+        with top:
+            t.add_(1)
+            assert log == ["top", "mid", "low"]
+            assert remove_function_mode(mid) is True
+            assert torch._C._len_torch_function_stack() == depth + 2
+            log.clear()
+            t.add_(1)
+            assert log == ["top", "low"]  # order kept, mid gone
+            assert remove_function_mode(mid) is False  # not on the stack: nothing changes
+            assert torch._C._len_torch_function_stack() == depth + 2
+        # ``with top`` popped the top, which is still ``top``
+        log.clear()
+        t.add_(1)
+        assert log == ["low"]
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_a_mode_is_off_the_stack_while_its_own_handler_runs() -> None:
+    """The guard relies on it: inside its own call it is not on the stack, so it must not try
+    to remove itself there ([Note: Param access guard])."""
+    seen: list[bool] = []
+
+    class _Probe(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(remove_function_mode(self))
+            return func(*args, **(kwargs or {}))
+
+    probe = _Probe()
+    t = torch.ones(1)
+    push_function_mode(probe)
+    t.add_(1)
+    assert seen == [False]
+    assert remove_function_mode(probe) is True  # torch pushed it back after the call
