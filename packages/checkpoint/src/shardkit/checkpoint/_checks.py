@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import CheckpointMismatchError
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 

@@ -19,6 +19,7 @@ error names the record and describes the value with :func:`describe`.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import re
 from typing import Any
@@ -35,7 +36,8 @@ _MAX_JSON_DEPTH = 64
 _MAX_INT = 1 << 62
 # a JSON string: runs of plain characters between escapes (no per-character backtracking state)
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DELTA = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -59,12 +61,10 @@ def dumps_json(obj: Any) -> str:
 
 
 def _depth(data: bytes) -> int:
-    """How deep the brackets of a JSON text nest, strings ignored (linear)."""
-    depth = best = 0
-    for m in _BRACKETS.finditer(_STRINGS.sub(b'""', data)):
-        depth += 1 if m.group() in (b"[", b"{") else -1
-        best = max(best, depth)
-    return best
+    """How deep the brackets of a JSON text nest, strings ignored: linear, in C loops (a regex,
+    ``bytes.translate``, ``itertools.accumulate`` over a table lookup)."""
+    brackets = _STRINGS.sub(b'""', data).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_DELTA.__getitem__, brackets)), default=0)
 
 
 def loads_json(data: bytes, what: str) -> Any:

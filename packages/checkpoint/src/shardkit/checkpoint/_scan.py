@@ -48,7 +48,7 @@ def _fail(what: str, message: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(f"{what}: {message}; the checkpoint is damaged or crafted")
 
 
-def open_blob(f: IO[bytes], length: int, what: str) -> tuple[bytes, dict[str, int]]:
+def open_blob(f: IO[bytes] | io.RawIOBase, length: int, what: str) -> tuple[bytes, dict[str, int]]:
     """The pickle of a ``torch.save`` zip read from ``f`` (``length`` bytes), and the size of
     each of its records by name (``"<archive>/data/0"``).
 
@@ -115,6 +115,12 @@ def _atom_value(arg: Any) -> Any:
     return None
 
 
+def _int(arg: Any) -> int:
+    if type(arg) is not int:
+        raise ValueError("a memo opcode without an index")
+    return arg
+
+
 def scan_object_pickle(pkl: bytes, records: dict[str, int], what: str, budget: int) -> None:
     """Simulates the pickle of a stored object on costs (see the module docstring).
 
@@ -153,9 +159,9 @@ def scan_object_pickle(pkl: bytes, records: dict[str, int], what: str, budget: i
             elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
                 if not stack or stack[-1] is _MARK:
                     raise _fail(what, f"its pickle memoizes nothing at byte {pos}")
-                memo[len(memo) if name == "MEMOIZE" else int(arg)] = stack[-1]
+                memo[len(memo) if name == "MEMOIZE" else _int(arg)] = stack[-1]
             elif name in ("GET", "BINGET", "LONG_BINGET"):
-                node = memo.get(int(arg))
+                node = memo.get(_int(arg))
                 if node is None:
                     raise _fail(what, f"its pickle reads an undefined memo entry at byte {pos}")
                 stack.append(node)
