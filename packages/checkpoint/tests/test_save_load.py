@@ -355,3 +355,17 @@ def test_files_not_visible_to_the_committer_fail_the_save_on_every_rank(
     dist.barrier()
     assert not (tmp_path / "unshared").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".unshared")]
+
+
+def test_a_none_destination_takes_the_stored_tensor(tmp_path: Path) -> None:
+    """A record (or any plain tensor) whose size the caller cannot know: ``None`` in the state
+    dict, nested or not, becomes the stored tensor; a damaged size is refused before."""
+    from shardkit.checkpoint import from_record, to_record
+
+    value = {"epoch": 3, "order": list(range(50)), "betas": (0.9, 0.95)}
+    save({"w": torch.ones(3), "loader": {"state": to_record(value)}, "ids": torch.arange(7)},
+         tmp_path / "ckpt")  # fmt: skip
+    dest: dict[str, Any] = {"w": torch.empty(3), "loader": {"state": None}, "ids": None}
+    load(dest, tmp_path / "ckpt")
+    assert from_record(dest["loader"]["state"]) == value
+    assert torch.equal(dest["ids"], torch.arange(7)) and dest["ids"].dtype == torch.int64

@@ -305,7 +305,8 @@ def load(
 
     Args:
         state_dict: the destination (tensors are loaded into in place; non-tensor values are
-            replaced), the same keys on every rank.
+            replaced; a ``None`` where the checkpoint holds a tensor becomes that tensor, e.g. a
+            :func:`to_record` whose length you do not know), the same keys on every rank.
         path: the checkpoint directory.
         process_group: the group loading (default: the default group; none without one).
         allow_missing_commit_record: load a checkpoint whose commit record is missing, damaged
@@ -318,11 +319,11 @@ def load(
         The opened checkpoint (its ``record`` holds the ``record=`` fields of the save).
 
     Raises:
-        CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint (on every rank: the
+            first failing rank's error, naming it, as for the others).
         CheckpointMismatchError: the checkpoint does not fit ``state_dict``.
         UnsafeCheckpointError: the checkpoint is damaged or crafted (``ChecksumError``: stored
             bytes fail their CRC-32).
-        Each raised on every rank (the first failing rank's, naming it).
     """
     what = f"shardkit.checkpoint.load({path})"
     distributed = _distributed()

@@ -12,7 +12,10 @@ way DCP flattens it, ``model.layer.weight``) against the checkpoint's metadata, 
 - a destination tensor (plain, ``DTensor`` or ``ShardedTensor``: their global shape) has a
   stored tensor of the same shape and dtype;
 - a destination non-tensor value has a stored non-tensor item (decoded by the weights-only
-  loader, see [Note: Safe DCP reading]).
+  loader, see [Note: Safe DCP reading]);
+- a destination ``None`` where the checkpoint holds a plain tensor (e.g. a record whose length
+  the caller cannot know) is replaced by a tensor of the stored shape and dtype, allocated only
+  after the reader checked that its bytes are on disk.
 
 Every stored chunk is backed by its bytes on disk (see [Note: Disk-backed sizes]), so what a
 load allocates beyond the destination's own tensors is bounded by the files it reads.
@@ -86,9 +89,25 @@ def check_destination(
 class CheckedLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, checking the destination first (see [Note: Load checks])."""
 
+    def _fill(self, metadata: Metadata) -> None:
+        """Stored tensors for the destination's ``None`` values (in the flat and the nested
+        state dict: ``mappings`` holds each flat key's path)."""
+        for key, obj in list(self.state_dict.items()):
+            md = metadata.state_dict_metadata.get(key)
+            if obj is not None or not isinstance(md, TensorStorageMetadata):
+                continue
+            t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            self.state_dict[key] = t
+            path = self.mappings.get(key, (key,)) if self.flatten_state_dict else (key,)
+            node: Any = self.original_state_dict
+            for part in path[:-1]:
+                node = node[part]
+            node[path[-1]] = t
+
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:
             raise RuntimeError("CheckedLoadPlanner: set_up_planner was not called")
+        self._fill(self.metadata)  # after the reader's storage check: see [Note: Disk-backed sizes]
         plan: LoadPlan | None = None
         if _missing(self.metadata, self.state_dict) and not self.allow_partial_load:
             # a checkpoint of torch <= 2.3 flattens some keys differently; DCP's planner maps

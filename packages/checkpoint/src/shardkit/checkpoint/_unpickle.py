@@ -35,6 +35,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import enum
+import gc
 import pathlib
 import struct
 from collections.abc import Callable
@@ -280,12 +281,17 @@ class _Machine:
         return self.stack[-1]
 
     def run(self) -> Any:
+        raw, size, ops = self.raw, len(self.raw), _OPS_BY_CODE
         while True:
             at = self.pos
-            op = self.read(1)
-            handler = _OPS.get(op)
+            if at >= size:
+                raise UnsafePickleError(f"truncated pickle: no STOP before offset {at}")
+            self.pos = at + 1
+            handler = ops.get(raw[at])  # an int: no bytes object per opcode
             if handler is None:
-                raise UnsafePickleError(f"pickle opcode {op!r} at offset {at} is not allowed")
+                raise UnsafePickleError(
+                    f"pickle opcode {bytes([raw[at]])!r} at offset {at} is not allowed"
+                )
             if handler(self) is True:
                 if not self.stack:
                     raise UnsafePickleError("malformed pickle: STOP with an empty stack")
@@ -554,6 +560,11 @@ def restricted_loads(data: bytes, what: str) -> Any:
         UnsafePickleError: a global outside the allow-list, a disallowed opcode, or a
             malformed pickle (raised before any disallowed object is built).
     """
+    # The cyclic garbage collector would traverse everything built so far each time enough
+    # containers are allocated, doubling the cost of a file of many small containers: it is
+    # paused while the machine runs (what it builds stays reachable until it returns).
+    paused = gc.isenabled()
+    gc.disable()
     try:
         return _Machine(data).run()
     except UnsafePickleError as e:
@@ -565,3 +576,8 @@ def restricted_loads(data: bytes, what: str) -> Any:
         raise UnsafePickleError(
             f"{what}: malformed pickle ({type(e).__name__}{': ' if text else ''}{text})"
         ) from None
+    finally:
+        if paused:
+            gc.enable()
+
+_OPS_BY_CODE: dict[int, Callable[[_Machine], Any]] = {code[0]: op for code, op in _OPS.items()}

@@ -59,7 +59,8 @@ def inspect(
         "dtype", "shape", "chunks", "bytes"}`` per item, sorted by key.
 
     Raises:
-        As :func:`open_checkpoint`.
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+        UnsafeCheckpointError: as for :func:`open_checkpoint`.
     """
     ck = open_checkpoint(path, allow_missing_commit_record=allow_missing_commit_record)
     md = ck.metadata
