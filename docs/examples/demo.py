@@ -38,6 +38,7 @@ Each phase is one ``torchrun`` launch; to run them by hand (one or many nodes)::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import math
@@ -51,8 +52,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import gc
 
 import torch
 import torch.distributed as dist
@@ -356,16 +355,25 @@ def train(args: argparse.Namespace) -> None:
         del job, losses
         gc.collect()
     if rank == 0:
-        diff = max(abs(a[1] - b[1]) for a, b in zip(record["ddp"]["losses"], record["zero2"]["losses"], strict=True))
-        print(f"  held per rank after a step ({n_params:,} params, every live tensor storage once):")
+        diff = max(
+            abs(a[1] - b[1])
+            for a, b in zip(record["ddp"]["losses"], record["zero2"]["losses"], strict=True)
+        )
+        print(
+            f"  held per rank after a step ({n_params:,} params, every live tensor storage once):"
+        )
         for r in range(world_size):
             z, d = record["zero2"]["bytes_per_param"][r], record["ddp"]["bytes_per_param"][r]
-            print(f"    rank {r}: ZeRO-2 {z:.1f} bytes/param, DDP {d:.1f} bytes/param ({z / d:.2f}x)")
+            print(
+                f"    rank {r}: ZeRO-2 {z:.1f} bytes/param, DDP {d:.1f} bytes/param ({z / d:.2f}x)"
+            )
         print(f"  loss of ZeRO-2 and DDP differ by at most {diff:.1e} over the phase")
         if phase == "train":
             print(f"  checkpoints at {out / 'checkpoint'} (step {start_step + args.steps}, "
                   f"{world_size} ranks): zero2-model, zero2-optimizer (sharded), ddp")  # fmt: skip
-            (out / "loss-resume.json").unlink(missing_ok=True)  # a fresh run: an older resume is stale
+            (out / "loss-resume.json").unlink(
+                missing_ok=True
+            )  # a fresh run: an older resume is stale
         (out / f"loss-{phase}.json").write_text(json.dumps(record))
         plot(out)
     dist.barrier()  # nobody tears the group down while another rank still writes or reads
@@ -451,9 +459,13 @@ def plot(out: Path) -> Path | None:
             bars.annotate(f"{value:.1f}", (x, value), xytext=(0, 2), textcoords="offset points",
                           ha="center", fontsize=8)  # fmt: skip
     bars.set_xticks(range(len(labels)), labels)
-    bars.set_ylim(0, 1.35 * max(max(r[n]["bytes_per_param"]) for r in records.values() for n in _NAMES))
+    bars.set_ylim(
+        0, 1.35 * max(max(r[n]["bytes_per_param"]) for r in records.values() for n in _NAMES)
+    )
     bars.set_ylabel("bytes per parameter held per rank")
-    bars.set_title("After a step: every live tensor storage\n(params, grads, AdamW state)", fontsize=10)
+    bars.set_title(
+        "After a step: every live tensor storage\n(params, grads, AdamW state)", fontsize=10
+    )
     bars.legend(loc="upper right", fontsize=8)
     bars.grid(alpha=0.3, axis="y")
     fig.tight_layout()

@@ -79,7 +79,11 @@ def main() -> None:
         md.planner_data = {"x": _Evil(str(marker))}
         (root / "plain" / ".metadata").write_bytes(pickle.dumps(md))
         try:
-            dcp.load({"w": torch.empty(2)}, storage_reader=SafeFileSystemReader(root / "plain"), no_dist=True)
+            dcp.load(
+                {"w": torch.empty(2)},
+                storage_reader=SafeFileSystemReader(root / "plain"),
+                no_dist=True,
+            )
         except CheckpointException as exc:
             assert "is not allowed" in str(exc), exc
         else:

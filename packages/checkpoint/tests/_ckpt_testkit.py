@@ -4,6 +4,7 @@ hostile objects and pickles, deep comparison.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from typing import Any
@@ -41,7 +42,7 @@ def model_and_optim(
     """An MLP and an Adam over two param groups (``betas`` a tuple, a second ``lr``)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), nn.Tanh()]
     model = nn.Sequential(*layers[:-1])
     ps = list(model.parameters())
@@ -75,7 +76,13 @@ def assert_same(a: Any, b: Any, where: str = "state", *, values: bool = True) ->
         assert isinstance(b, torch.Tensor), where
         a = a.full_tensor() if hasattr(a, "full_tensor") else a
         b = b.full_tensor() if hasattr(b, "full_tensor") else b
-        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            where,
+            a.dtype,
+            b.dtype,
+            a.shape,
+            b.shape,
+        )
         assert not values or torch.equal(a.cpu(), b.cpu()), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), (where, list(a)[:5], list(b)[:5])

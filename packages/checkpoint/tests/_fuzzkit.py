@@ -19,7 +19,6 @@ these are the process's own counters.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import resource
 import shutil
@@ -45,9 +44,9 @@ __all__ = [
     "Violation",
     "apply",
     "base_state",
-    "forged",
     "check_load",
     "destination",
+    "forged",
     "make_checkpoint",
     "state_bytes",
     "version_of",
@@ -236,11 +235,15 @@ def _replace_object_item(path: Path, version: Path, r: list[int], marker: str) -
 
     meta = version / ".metadata"
     md = restricted_loads(meta.read_bytes(), "m")
-    keys = sorted(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    keys = sorted(
+        k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+    )
     info = md.storage_data[MetadataIndex(_pick(keys, r[0]))]
     buf = io.BytesIO()
     torch.save(Evil(marker), buf)
-    blob = buf.getvalue() if r[1] % 2 else torch_save_with_pickle(laughs_pickle(60, as_dict_key=True))
+    blob = (
+        buf.getvalue() if r[1] % 2 else torch_save_with_pickle(laughs_pickle(60, as_dict_key=True))
+    )
     f = version / info.relative_path
     with open(f, "ab") as out:  # the new blob at the end of the file, the entry pointing at it
         info.offset = out.tell()
@@ -344,4 +347,3 @@ def check_load(
         except AssertionError as e:
             raise Violation(f"loaded state differs from the saved one: {e}") from None
     return outcome
-

@@ -276,13 +276,19 @@ def test_huge_declared_lengths_are_refused_without_allocating(blob: bytes, match
         b"(" + b"I1\n" * 100_000 + b"l",  # text opcodes: a line search per opcode, bounded
         b"N" + b"r\xff\xff\xff\xff" * 10 + b"j\xff\xff\xff\xff",  # huge memo indices
     ],
-    ids=["100k-item list", "50k-entry dict", "100k memoize", "get loop", "text ints",
-         "huge memo index"],  # fmt: skip
+    ids=[
+        "100k-item list",
+        "50k-entry dict",
+        "100k memoize",
+        "get loop",
+        "text ints",
+        "huge memo index",
+    ],
 )
 def test_huge_counts_and_memo_abuse_cost_linear_time(body: bytes) -> None:
     """Legal pickles of many items: they load (plain data), in time linear in their size."""
     blob = b"\x80\x04" + body + b"."
-    error, took = _bounded(lambda: restricted_loads(blob, "m"))
+    error, _ = _bounded(lambda: restricted_loads(blob, "m"))
     assert error is None, repr(error)
 
 
@@ -381,7 +387,10 @@ def _with_record(committed: Path, dst: Path, text: bytes) -> Path:
     [
         (b"[" * 1_000_000 + b"]" * 1_000_000, "nests deeper than 64"),
         (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nests deeper than 64"),
-        (b'{"layout": "shardkit.checkpoint/1", "token": ' + b"9" * 100_000 + b"}", "not valid JSON"),
+        (
+            b'{"layout": "shardkit.checkpoint/1", "token": ' + b"9" * 100_000 + b"}",
+            "not valid JSON",
+        ),
         (b'{"x": "' + b"[" * 2_000_000 + b'"}', "field 'layout'"),  # brackets in a string: data
         (b"\xff\xfe" * 1000, "not UTF-8"),
     ],

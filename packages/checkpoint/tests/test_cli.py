@@ -62,7 +62,9 @@ def test_verify_exit_status(ckpt: Path, tmp_path: Path) -> None:
     data[len(data) // 2] ^= 0x20
     f.write_bytes(bytes(data))
     bad = _cli("verify", str(damaged))
-    assert bad.returncode == 1 and "ChecksumError" in bad.stderr and "fails its checksum" in bad.stderr
+    assert (
+        bad.returncode == 1 and "ChecksumError" in bad.stderr and "fails its checksum" in bad.stderr
+    )
     (version / "SHARDKIT_COMMIT").write_bytes(b"")
     assert _cli("verify", str(damaged)).returncode == 1
     bare = tmp_path / "bare"  # sound files, no commit record: nothing to verify against

@@ -38,7 +38,9 @@ class _Hostile:
 
 def test_unknown_objects_are_named_not_called() -> None:
     assert describe(_Hostile()) == "a _Hostile"
-    assert describe([_Hostile(), (_Hostile(),)]) == "list of 2: (a _Hostile, tuple of 1: (a _Hostile))"
+    assert (
+        describe([_Hostile(), (_Hostile(),)]) == "list of 2: (a _Hostile, tuple of 1: (a _Hostile))"
+    )
 
 
 def test_shared_references_print_once() -> None:

@@ -15,9 +15,13 @@ from shardkit.checkpoint import UnsafeCheckpointError, from_record, to_record
 _ATOMS = st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats() | st.text()
 _VALUES = st.recursive(
     _ATOMS,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=6).filter(lambda k: k != "__shardkit__"), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(
+            st.text(max_size=6).filter(lambda k: k != "__shardkit__"), inner, max_size=4
+        )
+    ),
     max_leaves=12,
 )
 

@@ -102,7 +102,7 @@ def test_storage_entries_are_checked(tmp_path: Path, edit: str, match: str) -> N
     dcp.save({"a": torch.randn(64), "b": torch.randn(64)}, checkpoint_id=str(path), no_dist=True)
     md = restricted_loads((path / ".metadata").read_bytes(), "m")
     infos = sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)
-    (_, a), (kb, b) = infos
+    (_, a), (kb, _) = infos
     if edit in ("../../etc/passwd", "/etc/passwd"):
         a.relative_path = edit
     elif edit == "transform":

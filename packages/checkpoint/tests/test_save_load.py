@@ -316,12 +316,14 @@ def test_a_failure_on_one_rank_raises_on_every_rank(
         monkeypatch.setattr(commit, "crash_point", fail)
     with pytest.raises(CheckpointSaveError) as saving:
         save(state, tmp_path / "ckpt")
-    assert "failed, nothing was committed: rank 1: OSError: simulated: disk full" in str(saving.value)
+    assert "failed, nothing was committed: rank 1: OSError: simulated: disk full" in str(
+        saving.value
+    )
     assert not (tmp_path / "ckpt").exists()
     monkeypatch.undo()
     save(state, tmp_path / "ckpt")
     where = tmp_path / "ckpt" if rank == 0 else tmp_path / "not-here"
-    with pytest.raises(CheckpointNotFoundError, match="on rank 1: .*not-here is not a committed"):
+    with pytest.raises(CheckpointNotFoundError, match=r"on rank 1: .*not-here is not a committed"):
         load(state_of(*model_and_optim(seed=1)), where)
     dest = state_of(*model_and_optim(seed=1))
     if rank == 1:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import shardkit.checkpoint._commit as _commit
+import torch.distributed as dist
 from shardkit.checkpoint._agree import agree, gather, unwrap
 from shardkit.checkpoint._checks import CheckedLoadPlanner
 from shardkit.checkpoint._commit import (
@@ -148,7 +148,9 @@ def _require_numpy(what: str) -> None:
 def _one_process() -> Iterator[None]:
     """DCP warns that it assumes a single process without a process group: the intent here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to (save|load) in a single"
+        )
         yield
 
 
@@ -266,7 +268,9 @@ def save(
     writer.checksums = []
     try:
         with _one_process():
-            _dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=not distributed)
+            _dcp_save(
+                state_dict, storage_writer=writer, process_group=group, no_dist=not distributed
+            )
         _commit.crash_point("written")  # through the module: tests replace it
     except (Exception, CheckpointException) as e:  # every rank must reach the gather below
         failure = _failure(e, rank)

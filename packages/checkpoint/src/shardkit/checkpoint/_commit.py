@@ -35,7 +35,6 @@ of committing an unloadable checkpoint. CRC-32 detects damage, not tampering (se
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -64,8 +63,6 @@ __all__ = [
     "storage_key",
     "verify_files",
 ]
-
-logger = logging.getLogger("shardkit.checkpoint")
 
 MARKER = "SHARDKIT_COMMIT"
 POINTER = "LATEST"

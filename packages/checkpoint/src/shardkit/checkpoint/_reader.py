@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-import torch
 from shardkit.checkpoint._commit import (
     MARKER,
     POINTER,

@@ -33,7 +33,13 @@ import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import UnsafeCheckpointError
 
-__all__ = ["check_tensor_pickle", "expansion_budget", "measure_object", "open_blob", "scan_object_pickle"]
+__all__ = [
+    "check_tensor_pickle",
+    "expansion_budget",
+    "measure_object",
+    "open_blob",
+    "scan_object_pickle",
+]
 
 _MARK = object()
 
@@ -89,7 +95,9 @@ def check_tensor_pickle(pkl: bytes, nbytes: int, what: str) -> None:
     try:
         for op, arg, _ in pickletools.genops(pkl):
             if type(arg) is int and abs(arg) > bound:
-                raise _fail(what, f"its record declares {describe(arg)} (op {op.name}) for {nbytes} bytes")
+                raise _fail(
+                    what, f"its record declares {describe(arg)} (op {op.name}) for {nbytes} bytes"
+                )
     except UnsafeCheckpointError:
         raise
     except (ValueError, EOFError) as e:
@@ -136,7 +144,9 @@ def scan_object_pickle(pkl: bytes, records: dict[str, int], what: str, budget: i
     """
     stack: list[Any] = []
     memo: dict[int, _Node] = {}
-    data_dir = {name.rsplit("/data/", 1)[1]: size for name, size in records.items() if "/data/" in name}
+    data_dir = {
+        name.rsplit("/data/", 1)[1]: size for name, size in records.items() if "/data/" in name
+    }
 
     def pop() -> Any:
         if not stack:
@@ -174,7 +184,9 @@ def scan_object_pickle(pkl: bytes, records: dict[str, int], what: str, budget: i
                 _check_storage_id(pop_node().value, data_dir, what)
                 stack.append(_Node(1))
             elif name == "PERSID":
-                raise _fail(what, "its pickle uses a text persistent id, which torch.save never writes")
+                raise _fail(
+                    what, "its pickle uses a text persistent id, which torch.save never writes"
+                )
             else:
                 before = [s.name for s in op.stack_before]
                 popped: list[_Node] = []

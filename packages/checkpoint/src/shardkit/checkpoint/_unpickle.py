@@ -90,17 +90,13 @@ def _size(*args: Any) -> torch.Size:
         raise UnsafePickleError(f"torch.Size expects one tuple of ints, got {describe(args)}")
     dims = tuple(args[0]) if args else ()
     if not all(_is_index(d) for d in dims):
-        raise UnsafePickleError(
-            f"torch.Size dims must be non-negative ints, got {describe(dims)}"
-        )
+        raise UnsafePickleError(f"torch.Size dims must be non-negative ints, got {describe(dims)}")
     return torch.Size(dims)
 
 
 def _layout(*args: Any) -> torch.layout:
     name = args[0] if len(args) == 1 else None
-    value = (
-        vars(torch).get(name[6:]) if type(name) is str and name[:6] == "torch." else None
-    )
+    value = vars(torch).get(name[6:]) if type(name) is str and name[:6] == "torch." else None
     if not isinstance(value, torch.layout):
         raise UnsafePickleError(f"unknown torch layout {describe(args)}")
     return value
@@ -208,7 +204,9 @@ def _check_index(ix: Any) -> None:
     fqn, offset, index = (ix.__dict__.get(n) for n in ("fqn", "offset", "index"))
     if (
         type(fqn) is not str
-        or not (offset is None or (type(offset) is torch.Size and all(_is_index(d) for d in offset)))
+        or not (
+            offset is None or (type(offset) is torch.Size and all(_is_index(d) for d in offset))
+        )
         or not (index is None or type(index) is int)
     ):
         raise UnsafePickleError(
@@ -324,9 +322,7 @@ def _op_reduce(m: _Machine) -> None:
 def _op_newobj(m: _Machine) -> None:
     args, cls = m.pop(), m.pop()
     if not isinstance(cls, _Global) or cls.cls is None or type(args) is not tuple or args:
-        raise UnsafePickleError(
-            f"NEWOBJ of {_name(cls)} with {describe(args)} is not allowed"
-        )
+        raise UnsafePickleError(f"NEWOBJ of {_name(cls)} with {describe(args)} is not allowed")
     m.stack.append(object.__new__(cls.cls))
 
 
@@ -579,5 +575,6 @@ def restricted_loads(data: bytes, what: str) -> Any:
     finally:
         if paused:
             gc.enable()
+
 
 _OPS_BY_CODE: dict[int, Callable[[_Machine], Any]] = {code[0]: op for code, op in _OPS.items()}

@@ -203,4 +203,3 @@ def verify(
         if legacy is not None:
             _verify_item_checksums(ck, legacy)
     return VerifyReport(ck.version, len(md.state_dict_metadata), len(order), nbytes, kind)
-

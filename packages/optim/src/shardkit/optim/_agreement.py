@@ -123,6 +123,7 @@ def register_error_type(cls: type[Exception]) -> type[Exception]:
         )
     return cls
 
+
 Outcome: TypeAlias = tuple[str, str] | None
 """What an agreement gathers of one rank's local check: ``(error type name, message)``, or
 ``None`` when it passed (see :func:`outcome`)."""

@@ -125,6 +125,7 @@ class ShardedCheckpointable(Protocol):
         """Loads a plain state dict holding (at least) the state of
         :meth:`checkpoint_indices`, and every param group."""
 
+
 _MASTER_PREFIX = "master/"
 
 # The messages of the checkpoint functions' agreements (see :func:`agreed_error`): a load raises
@@ -248,7 +249,8 @@ def _open(path: Path, allow_pickle: bool, allow_missing_commit_record: bool) -> 
     record: dict[str, Any] | None = None
     if ck.record is not None:
         try:
-            record = validate_header(ck.record, str(ck.version / "SHARDKIT_COMMIT"), legacy_ok=True)
+            where = str(ck.version / "SHARDKIT_COMMIT")
+            record = validate_header(ck.record, where, legacy_ok=True)
         except ValueError as e:
             if not allow_missing_commit_record:
                 raise
@@ -408,10 +410,13 @@ def _read_error(e: BaseException, what: str) -> ValueError:
     """The error of a failed read: shardkit.checkpoint's own type (a CRC-32 mismatch, a crafted
     item), else ``UnsafeCheckpointError``; the same on every rank (DCP gathers every rank's)."""
     inner, rank = _first_failure(e)
-    text = f"{type(inner).__name__}: {str(inner)[:2000]}" + ("" if rank is None else f" (rank {rank})")
+    text = f"{type(inner).__name__}: {str(inner)[:2000]}"
+    text += "" if rank is None else f" (rank {rank})"
     if isinstance(inner, UnsafeCheckpointError):
         return type(inner)(f"{what}: {text}")
-    return UnsafeCheckpointError(f"{what}: reading the checkpoint failed, it is damaged or crafted: {text}")
+    return UnsafeCheckpointError(
+        f"{what}: reading the checkpoint failed, it is damaged or crafted: {text}"
+    )
 
 
 def _read_verified(

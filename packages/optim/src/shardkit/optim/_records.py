@@ -106,9 +106,7 @@ def validate_header(h: Any, what: str, legacy_ok: bool = False) -> dict[str, Any
     _check(
         type(shapes) is list
         and len(shapes) == n
-        and all(
-            type(s) is list and len(s) <= 64 and all(_is_int(d, 0) for d in s) for s in shapes
-        ),
+        and all(type(s) is list and len(s) <= 64 and all(_is_int(d, 0) for d in s) for s in shapes),
         "param_shapes",
         shapes,
         f"a list of {n} shapes (lists of ints >= 0)",
