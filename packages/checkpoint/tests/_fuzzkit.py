@@ -48,6 +48,7 @@ __all__ = [
     "destination",
     "forged",
     "make_checkpoint",
+    "proc_status",
     "state_bytes",
     "version_of",
 ]
@@ -294,7 +295,8 @@ def apply(src: Path, dst: Path, mutations: list[tuple[int, list[int]]], marker: 
 # ---------------------------------------------------------------- the oracle
 
 
-def _status(key: str) -> int:
+def proc_status(key: str) -> int:
+    """A byte count of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key):
@@ -320,8 +322,8 @@ def check_load(
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set
-    base = _status("VmRSS")
-    limit = _status("VmSize") + _RSS_FACTOR * nbytes + _VIRTUAL_SLACK
+    base = proc_status("VmRSS")
+    limit = proc_status("VmSize") + _RSS_FACTOR * nbytes + _VIRTUAL_SLACK
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
         got = load()
@@ -332,7 +334,7 @@ def check_load(
         got, outcome = None, f"UNEXPECTED {type(e).__name__}: {e}"
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    peak = _status("VmHWM") - base
+    peak = proc_status("VmHWM") - base
     if marker.exists():
         raise Violation(f"the checkpoint ran code ({marker} exists)")
     if outcome.startswith("UNEXPECTED") or "can't allocate" in outcome or "MemoryError" in outcome:

@@ -38,6 +38,7 @@ from _ckpt_testkit import (
     state_of,
     torch_save_with_pickle,
 )
+from _fuzzkit import proc_status
 from shardkit.checkpoint import (
     SafeFileSystemReader,
     UnsafeCheckpointError,
@@ -64,19 +65,11 @@ RSS_BYTES = 64 << 20
 """The peak resident growth bound of every case."""
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
-
-
 def _bounded(fn: Callable[[], Any]) -> tuple[BaseException | None, float]:
     """Runs ``fn`` within the bounds; returns what it raised (None) and its wall time."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
@@ -84,7 +77,7 @@ def _bounded(fn: Callable[[], Any]) -> tuple[BaseException | None, float]:
     except (Exception, CheckpointException) as e:
         error = e
     took = time.perf_counter() - t0
-    grew = _status("VmHWM") - base
+    grew = proc_status("VmHWM") - base
     assert took < SECONDS, f"took {took:.2f} s (bound {SECONDS} s)"
     assert grew < RSS_BYTES, f"grew the resident set by {grew >> 20} MiB (bound {RSS_BYTES >> 20})"
     return error, took
