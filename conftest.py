@@ -251,6 +251,19 @@ def _docs_sybil() -> Any:
 _collect_docs: Any = None
 
 
+def _requested(file_path: Path, config: pytest.Config) -> bool:
+    """Whether the run asked for ``file_path`` (or a folder holding it): pytest visits every
+    file of the folders above the paths it was given, e.g. the root README.md of a run of one
+    package's tests (``hatch run pkg.<name>:test``, an env without sybil)."""
+    bases = (config.invocation_params.dir, config.rootpath)
+    for arg in config.args:
+        for base in bases:
+            p = (base / arg.split("::")[0]).resolve()
+            if file_path.resolve() == p or p in file_path.resolve().parents:
+                return True
+    return False
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:
     global _collect_docs
     if file_path.suffix != ".md" or not _is_doc(file_path):
@@ -259,6 +272,8 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:
         try:
             _collect_docs = _docs_sybil()
         except ImportError as exc:
+            if not _requested(file_path, parent.config):
+                return None
             raise pytest.UsageError(
                 f"the docs' code blocks need sybil ({exc}); it is in hatch.toml's default env: "
                 "run them with `hatch run test`"

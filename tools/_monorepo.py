@@ -38,6 +38,7 @@ __all__ = [
     "default_root",
     "dependency_closure",
     "find_package",
+    "first_release_pending",
     "load_package",
     "load_packages",
     "load_toml",
@@ -105,6 +106,23 @@ def changelog_has_version(text: str, version: str) -> bool:
     """Whether a Markdown heading of the changelog names `version` (`## 0.2.0 (2024-05-01)`)."""
     pattern = rf"^#{{1,6}}\s+\[?v?{re.escape(version)}\]?(?=$|[\s(:,])"
     return re.search(pattern, text, flags=re.MULTILINE) is not None
+
+
+_RELEASE_HEADING_RE = re.compile(r"^#{1,6}\s+\[?v?\d+\.\d+", re.MULTILINE)
+_UNRELEASED_ENTRY_RE = re.compile(
+    r"^#{1,6}\s+\[?Unreleased\]?\s*$(?P<body>.*?)(?=^#{1,2}\s|\Z)",
+    re.IGNORECASE | re.MULTILINE | re.DOTALL,
+)
+
+
+def first_release_pending(text: str) -> bool:
+    """Whether a changelog belongs to a package never released yet: no version heading at all,
+    and entries (``- ...``) under ``## [Unreleased]``. Its first release writes the heading of the
+    version in ``__about__.py`` (``python tools/release.py <package> <that version>``)."""
+    if _RELEASE_HEADING_RE.search(text):
+        return False
+    found = _UNRELEASED_ENTRY_RE.search(text)
+    return found is not None and re.search(r"^\s*[-*] \S", found["body"], re.MULTILINE) is not None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from _monorepo import (
     default_root,
     dependency_closure,
     find_package,
+    first_release_pending,
     load_packages,
     read_about_version,
 )
@@ -196,12 +197,16 @@ def _check_layout(pkg: Package, root: Path, result: Result) -> None:
         )
 
     changelog = pkg.changelog_path
-    if changelog.is_file() and not changelog_has_version(
-        changelog.read_text(encoding="utf-8"), version
+    text = changelog.read_text(encoding="utf-8") if changelog.is_file() else None
+    if (
+        text is not None
+        and not changelog_has_version(text, version)
+        and not first_release_pending(text)  # a new package: its entries wait under Unreleased
     ):
         problems.append(
             f"CHANGELOG.md has no heading for the current version {version} "
-            f'(python tools/release.py writes one: "## [{version}] - YYYY-MM-DD")'
+            f'(python tools/release.py writes one: "## [{version}] - YYYY-MM-DD"; a package '
+            f"never released lists its changes under '## [Unreleased]' until its first release)"
         )
 
 

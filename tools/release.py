@@ -38,6 +38,7 @@ from _monorepo import (
     changelog_has_version,
     default_root,
     find_package,
+    first_release_pending,
     load_packages,
     tomllib,
 )
@@ -91,13 +92,15 @@ class Edit:
     summary: str
 
 
-def bump_version(current: str, how: str) -> str:
+def bump_version(current: str, how: str, *, first_release: bool = False) -> str:
     """The version after a `major`/`minor`/`patch` bump, or `how` itself if it is a version.
 
     Bumps keep three release components and drop pre/post/dev/local parts:
     `0.1.3 --patch--> 0.1.4`, `0.1.3 --minor--> 0.2.0`, `0.1.3 --major--> 1.0.0`;
     `patch` on a pre-release finalises it (`0.2.0rc1 --patch--> 0.2.0`).
-    An explicit version must be a PEP 440 public version greater than `current`.
+    An explicit version must be a PEP 440 public version greater than `current`, or equal to it
+    for the first release of a package never released (``first_release``: its changelog has no
+    version heading yet, see ``first_release_pending``).
     """
     cur = Version.parse(current)
     if how in _BUMPS:
@@ -124,6 +127,8 @@ def bump_version(current: str, how: str) -> str:
                 "use a public version such as 1.2.3"
             )
         new = str(parsed)
+    if first_release and how not in _BUMPS and Version.parse(new) == cur:
+        return new
     if not Version.parse(new) > cur:
         raise ToolError(
             f"the new version {new} is not greater than the current version {current}; "
@@ -371,7 +376,9 @@ def _plan(args: argparse.Namespace, root: Path) -> tuple[list[Edit], list[str], 
     packages = load_packages(root)
     target = find_package(packages, args.package)
     current = target.version()
-    new = bump_version(current, args.bump)
+    log = target.changelog_path
+    first = log.is_file() and first_release_pending(log.read_text(encoding="utf-8"))
+    new = bump_version(current, args.bump, first_release=first)
     notes: list[str] = [f"{target.dist_name}: {current} -> {new}"]
 
     conflicts: list[str] = []

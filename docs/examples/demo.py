@@ -1,25 +1,32 @@
 #!/usr/bin/env python3
-"""shardkit demo: train a small character-level GPT data-parallel with a ZeRO-1 sharded optimizer.
+"""shardkit demo: train a small character-level GPT with ZeRO-2 (ShardedDataParallel) beside DDP.
 
-What it does (``hatch run demo``, or ``python docs/examples/demo.py`` in an environment with the
-packages, tqdm and matplotlib installed):
+What it does (``hatch run demo``, or ``python docs/examples/demo.py`` in an environment with
+shardkit-ddp, shardkit-checkpoint and their siblings, tqdm and matplotlib installed):
 
 1. Launches ``--world-size`` local ranks (default 2) with ``torchrun --standalone``: Gloo on the
    CPU, no GPU or cluster needed (NCCL when GPUs are present).
 2. Trains a small GPT-style decoder (token and position embeddings, causal self-attention, MLP,
-   layer norm, an LM head tied to the token embedding) wrapped in DDP, with
-   ``shardkit.optim.ShardedOptimizer`` around ``torch.optim.AdamW``; when shardkit-overlap is
-   installed the optimizer step runs inside DDP's comm hook, overlapped with backward.
+   layer norm, an LM head tied to the token embedding) twice on the same batches from the same
+   initial weights: with ``shardkit.ddp.ShardedDataParallel`` (ZeRO-2: gradients
+   reduce-scattered into each rank's shard, ``AdamW`` state and steps sharded, params
+   all-gathered), and with torch's ``DistributedDataParallel`` + ``AdamW`` (the reference, in
+   its leanest configuration: ``gradient_as_bucket_view=True``).
 3. The data is real text: eighteen of Shakespeare's sonnets (public domain, shipped in
    ``docs/examples/data/sonnets.txt`` with their source), read character by character. A
    ``DistributedSampler`` gives each rank its own share of the text windows every epoch.
-4. Shows a tqdm progress bar with the loss and throughput, and prints each rank's
-   optimizer-state bytes against what plain DDP + AdamW keeps on every rank.
-5. Saves a sharded checkpoint (torch.distributed.checkpoint, each rank writes its shard), then
-   launches again at ``--resume-world-size`` ranks (default 1), resumes from it and trains on.
-6. Plots the loss of both phases with matplotlib to ``OUT/loss.png``, with the entropy of the
-   text's characters (the floor of a model that sees no context) and of a character given the
-   previous one (the floor with one character of context) drawn as reference lines.
+4. Shows a tqdm progress bar with the loss and throughput, and prints what each rank holds per
+   parameter after a step, for both: every live tensor storage counted once (params, gradients,
+   optimizer state; see :func:`live_storages`).
+5. Checkpoints both through shardkit-checkpoint (atomic commits, CRC-32s): ZeRO-2's optimizer
+   with ``shardkit.optim.save_sharded`` (each rank writes its shard), the models and DDP's AdamW
+   with ``shardkit.checkpoint.save``; then launches again at ``--resume-world-size`` ranks
+   (default 3), resumes both from their checkpoints (resharded to the new world size) and trains
+   on.
+6. Plots with matplotlib to ``OUT/loss.png``: the loss of both runs over both phases, with the
+   entropy of the text's characters (the floor of a model that sees no context) and of a
+   character given the previous one, and the bytes per parameter each rank held with ZeRO-2 and
+   with DDP at each world size.
 
 Each phase is one ``torchrun`` launch; to run them by hand (one or many nodes)::
 
@@ -31,6 +38,7 @@ Each phase is one ``torchrun`` launch; to run them by hand (one or many nodes)::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import math
@@ -48,15 +56,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from shardkit import checkpoint
+from shardkit.ddp import ShardedDataParallel
 from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-try:  # optional: overlap the sharded step with backward
-    from shardkit.overlap import register_zero_overlap
-except ImportError:  # shardkit-overlap not installed: plain ZeRO-1 step after backward
-    register_zero_overlap = None  # type: ignore[assignment]
 
 # tqdm and matplotlib come with the demo's hatch env (`hatch run demo`); they are not shardkit
 # dependencies. Without them the demo still trains: plain progress lines, no loss.png.
@@ -193,13 +199,121 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- one rank
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if torch.is_tensor(v)
-    )
+def live_storages(extra: list[torch.Tensor | None], device: torch.device) -> dict[int, int]:
+    """``storage data_ptr -> bytes`` of every live tensor on ``device``'s type, each storage
+    counted once (views share their storage's entry), as ``shardkit.testing.live_storages``
+    counts: every tensor reachable from Python plus ``extra`` (the params' ``.grad``)."""
+    gc.collect()
+    out: dict[int, int] = {}
+    for obj in [*gc.get_objects(), *extra]:
+        if obj is None or not issubclass(type(obj), torch.Tensor) or obj.is_meta:
+            continue
+        if obj.device.type != device.type:
+            continue
+        try:
+            st = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if st.nbytes():
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+@dataclass
+class Job:
+    """One of the two runs of a phase: its model, the wrapper that trains it, its optimizer."""
+
+    name: str
+    """``"zero2"`` (ShardedDataParallel) or ``"ddp"`` (the reference)."""
+    model: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def build(name: str, cfg: GPTConfig, device: torch.device, lr: float, ckpt: Path | None) -> Job:
+    """A job from the same initial weights (seed 0), resumed from ``ckpt`` when given."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if name == "ddp":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, weight_decay=0.01
+        )
+        if ckpt is not None:  # model and AdamW, resharded to this world size
+            msd, osd = get_state_dict(model, optimizer)
+            state = {"model": msd, "optim": osd}
+            checkpoint.load(state, ckpt / "ddp")
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True)
+        return Job(name, model, wrapped, optimizer)
+    if ckpt is not None:  # the weights first: ShardedDataParallel lays them out in its buckets
+        checkpoint.load(model.state_dict(), ckpt / "zero2-model")
+    zero = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.01)
+    wrapped = ShardedDataParallel(model, zero)
+    if ckpt is not None:
+        load_sharded(zero, ckpt / "zero2-optimizer")  # each rank reads the shard it owns now
+    return Job(name, model, wrapped, zero)
+
+
+def run(
+    job: Job,
+    args: argparse.Namespace,
+    data: CharWindows,
+    cfg: GPTConfig,
+    start_step: int,
+    phase: str,
+    baseline: set[int],
+) -> tuple[list[tuple[int, float]], int]:
+    """Trains ``job`` ``args.steps`` steps; returns (step, mean loss) and the bytes this rank
+    holds right after its last step, before the gradients are dropped: every live storage that
+    is not in ``baseline`` (what was alive before the job was built), counted once."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = next(job.model.parameters()).device
+    local_batch = max(1, args.batch // world_size)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=local_batch, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(
+            f"--batch {args.batch} is larger than the {len(data)} text windows split over "
+            f"{world_size} rank(s): use a smaller --batch"
+        )
+    stream = batches(loader, sampler, start_step)
+    end_step = start_step + args.steps
+    losses: list[tuple[int, float]] = []
+    label = {"zero2": "ZeRO-2 (ShardedDataParallel)", "ddp": "DDP (reference)"}[job.name]
+    bar = None
+    if rank == 0 and tqdm is not None:
+        bar = tqdm(total=args.steps, desc=f"{phase} {label} @ world {world_size}", unit="step",
+                   file=sys.stdout)  # fmt: skip
+    params = list(job.model.parameters())
+    held = 0
+    tic = time.perf_counter()
+    for step in range(start_step + 1, end_step + 1):
+        batch = next(stream).to(device)
+        logits = job.wrapped(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        job.optimizer.step()
+        if step == end_step:  # what a rank holds between steps: before gradients are dropped
+            del logits, batch
+            live = live_storages([p.grad for p in params], device)
+            held = sum(n for ptr, n in live.items() if ptr not in baseline)
+        job.optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= world_size
+        losses.append((step, float(mean)))
+        if rank == 0:
+            chars_s = (step - start_step) * local_batch * world_size * cfg.context
+            chars_s /= time.perf_counter() - tic
+            if bar is not None:
+                bar.set_postfix(loss=f"{float(mean):.3f}", chars_s=f"{chars_s:,.0f}", refresh=False)
+                bar.update(1)
+            elif step % 10 == 0 or step == end_step:
+                print(f"  {label} step {step}/{end_step}  loss {float(mean):.4f}  "
+                      f"{chars_s:,.0f} chars/s", flush=True)  # fmt: skip
+    if bar is not None:
+        bar.close()
+    return losses, held
 
 
 def train(args: argparse.Namespace) -> None:
@@ -215,114 +329,72 @@ def train(args: argparse.Namespace) -> None:
     out = Path(args.out)
     data = CharWindows(read_text(), context=64, stride=32)
     cfg = GPTConfig(vocab=len(data.chars), context=data.context)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    ckpt = Path(args.resume) if args.resume else out / "checkpoint"
+    ckpt = Path(args.resume) if args.resume else None
     start_step = 0
-    if phase == "resume":
-        meta = json.loads((ckpt / "demo.json").read_text())
-        model.load_state_dict(torch.load(ckpt / "model.pt", map_location=device))
-        start_step = meta["step"]
-    ddp = DDP(model)
-    zero = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
-    if phase == "resume":
-        load_sharded(zero, ckpt)
-    optimizer_step = zero.step
-    overlapped = register_zero_overlap is not None and not args.no_overlap
-    overlap = None
-    if overlapped:
-        # The step of each gradient bucket runs inside DDP's comm hook, during backward.
-        overlap = register_zero_overlap(ddp, zero, interleaved=True, shard_buckets=True)
-        optimizer_step = overlap.step
-
-    local_batch = max(1, args.batch // world_size)
-    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=local_batch, sampler=sampler, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(
-            f"--batch {args.batch} is larger than the {len(data)} text windows split over "
-            f"{world_size} rank(s): use a smaller --batch"
-        )
-    stream = batches(loader, sampler, start_step)
-    end_step = start_step + args.steps
-    losses: list[tuple[int, float]] = []
+    if ckpt is not None:
+        opened = checkpoint.open_checkpoint(ckpt / "zero2-model")
+        start_step = int((opened.record or {})["step"])
     if rank == 0:
-        mode = "ShardedOptimizer(AdamW)" + (" + overlap hook" if overlapped else "")
         print(
-            f"{phase}: {world_size} rank(s) on {device.type}, {mode}; global batch "
-            f"{local_batch * world_size} x {cfg.context} characters, {len(loader)} steps per epoch"
+            f"{phase}: {world_size} rank(s) on {device.type}; the same batches through ZeRO-2 and "
+            f"DDP; global batch {max(1, args.batch // world_size) * world_size} x {cfg.context} "
+            f"characters"
         )
-    bar = None
-    if rank == 0 and tqdm is not None:
-        bar = tqdm(
-            total=args.steps, desc=f"{phase} @ world {world_size}", unit="step", file=sys.stdout
-        )
-    tic = time.perf_counter()
-    for step in range(start_step + 1, end_step + 1):
-        batch = next(stream).to(device)
-        logits = ddp(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer_step()  # with the overlap hook: only checks that the hooks stepped every bucket
-        zero.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        mean /= world_size
-        losses.append((step, float(mean)))
-        if rank == 0:
-            chars_s = (
-                (step - start_step)
-                * local_batch
-                * world_size
-                * cfg.context
-                / (time.perf_counter() - tic)
-            )
-            if bar is not None:
-                bar.set_postfix(loss=f"{float(mean):.3f}", chars_s=f"{chars_s:,.0f}", refresh=False)
-                bar.update(1)
-            elif step % 10 == 0 or step == end_step:
-                print(
-                    f"  step {step}/{end_step}  loss {float(mean):.4f}  {chars_s:,.0f} chars/s",
-                    flush=True,
-                )
-    if bar is not None:
-        bar.close()
-
-    # Optimizer memory: this rank's shard against the full AdamW state DDP keeps on every rank.
-    mine = torch.tensor([_state_bytes(zero.optim)], dtype=torch.float64, device=device)
-    per_rank = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(per_rank, mine)
+    record: dict[str, Any] = {"world_size": world_size}
+    n_params = 0
+    for name in ("ddp", "zero2"):  # one after the other: each job's memory counted alone
+        baseline = set(live_storages([], device))
+        job = build(name, cfg, device, args.lr, ckpt)
+        n_params = sum(p.numel() for p in job.model.parameters())
+        losses, held = run(job, args, data, cfg, start_step, phase, baseline)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, held / n_params)
+        record[name] = {"losses": losses, "bytes_per_param": gathered}
+        if phase == "train":
+            save(job, out / "checkpoint", losses[-1][0])
+        del job, losses
+        gc.collect()
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        full = 2 * 4 * n_params  # exp_avg + exp_avg_sq in fp32 (+ a scalar step per param)
+        diff = max(
+            abs(a[1] - b[1])
+            for a, b in zip(record["ddp"]["losses"], record["zero2"]["losses"], strict=True)
+        )
         print(
-            f"  optimizer state per rank (plain DDP + AdamW would keep {full / 2**20:.2f} MiB on every rank):"
+            f"  held per rank after a step ({n_params:,} params, every live tensor storage once):"
         )
-        for r, b in enumerate(per_rank):
-            print(f"    rank {r}: {float(b) / 2**20:.2f} MiB  ({float(b) / full:.2f}x DDP)")
-
-    if phase == "train":
-        save_sharded(zero, ckpt)
-        if rank == 0:
-            torch.save(model.state_dict(), ckpt / "model.pt")
-            (ckpt / "demo.json").write_text(
-                json.dumps({"step": end_step, "world_size": world_size})
+        for r in range(world_size):
+            z, d = record["zero2"]["bytes_per_param"][r], record["ddp"]["bytes_per_param"][r]
+            print(
+                f"    rank {r}: ZeRO-2 {z:.1f} bytes/param, DDP {d:.1f} bytes/param ({z / d:.2f}x)"
             )
-            print(f"  saved sharded checkpoint at {ckpt} (step {end_step}, {world_size} shards)")
-    if rank == 0:
-        if phase == "train":  # a fresh run: an older resumed curve no longer follows it
-            (out / "loss-resume.json").unlink(missing_ok=True)
-        record = {"world_size": world_size, "losses": losses}
+        print(f"  loss of ZeRO-2 and DDP differ by at most {diff:.1e} over the phase")
+        if phase == "train":
+            print(f"  checkpoints at {out / 'checkpoint'} (step {start_step + args.steps}, "
+                  f"{world_size} ranks): zero2-model, zero2-optimizer (sharded), ddp")  # fmt: skip
+            (out / "loss-resume.json").unlink(
+                missing_ok=True
+            )  # a fresh run: an older resume is stale
         (out / f"loss-{phase}.json").write_text(json.dumps(record))
         plot(out)
-    if overlap is not None:
-        overlap.close()
     dist.barrier()  # nobody tears the group down while another rank still writes or reads
 
 
-# ----------------------------------------------------------------------------- the loss plot
+def save(job: Job, ckpt: Path, step: int) -> None:
+    """Both jobs' checkpoints through shardkit-checkpoint (collective: every rank calls it)."""
+    if job.name == "ddp":  # plain DDP + AdamW: model and optimizer state, one DCP checkpoint
+        msd, osd = get_state_dict(job.model, job.optimizer)
+        checkpoint.save({"model": msd, "optim": osd}, ckpt / "ddp", record={"step": step})
+        return
+    assert isinstance(job.optimizer, ShardedOptimizer)
+    checkpoint.save(job.model.state_dict(), ckpt / "zero2-model", record={"step": step})
+    save_sharded(job.optimizer, ckpt / "zero2-optimizer")  # each rank writes the state it owns
+
+
+# ----------------------------------------------------------------------------- the plot
 
 _LABEL_BOX = {"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8}
+_COLOURS = {"zero2": "tab:blue", "ddp": "tab:orange"}
+_NAMES = {"zero2": "ZeRO-2 (ShardedDataParallel)", "ddp": "DDP + AdamW"}
 
 
 def plot(out: Path) -> Path | None:
@@ -338,45 +410,64 @@ def plot(out: Path) -> Path | None:
         return None
     h0, h1 = entropies(read_text())
     vocab = len(set(read_text()))
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    colours = {"train": "tab:blue", "resume": "tab:orange"}
+    records = {
+        phase: json.loads((out / f"loss-{phase}.json").read_text())
+        for phase in ("train", "resume")
+        if (out / f"loss-{phase}.json").exists()
+    }
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120, width_ratios=(2.2, 1))
     top: list[float] = []
-    for phase, label in (("train", "train at world {}"), ("resume", "resumed at world {}")):
-        path = out / f"loss-{phase}.json"
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
-        steps, values = zip(*record["losses"], strict=True)
-        top.append(max(values))
-        ax.plot(
-            steps, values, color=colours[phase], lw=1.4, label=label.format(record["world_size"])
-        )
+    for phase, record in records.items():
+        for name in ("ddp", "zero2"):
+            steps, values = zip(*record[name]["losses"], strict=True)
+            top.append(max(values))
+            label = f"{_NAMES[name]}, world {record['world_size']}" + (
+                " (resumed)" if phase == "resume" else ""
+            )
+            ax.plot(steps, values, color=_COLOURS[name], lw=1.3 if name == "zero2" else 2.6,
+                    alpha=1.0 if name == "zero2" else 0.45,
+                    ls="-" if phase == "train" else "--", label=label)  # fmt: skip
         if phase == "resume":
-            ax.axvline(steps[0] - 0.5, color="0.5", lw=0.8, ls=":")
+            first = record["zero2"]["losses"][0][0]
+            ax.axvline(first - 0.5, color="0.5", lw=0.8, ls=":")
             ax.annotate(
-                "checkpoint: resharded", (steps[0] - 0.5, 1.0), xycoords=("data", "axes fraction"),
-                xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.35",
+                f"checkpoint: resharded to {record['world_size']} ranks", (first - 0.5, 1.0),
+                xycoords=("data", "axes fraction"), xytext=(4, -12), textcoords="offset points",
+                fontsize=8, color="0.35",
             )  # fmt: skip
-    ax.axhline(math.log(vocab), color="0.6", lw=0.8, ls="--")
     ax.axhline(h0, color="tab:red", lw=1.0, ls="--")
     ax.axhline(h1, color="tab:green", lw=1.0, ls="--")
-    ax.annotate(f"uniform guess: ln {vocab} = {math.log(vocab):.2f} nats", (0.01, math.log(vocab)),
-                xycoords=("axes fraction", "data"), xytext=(0, 3), textcoords="offset points",
-                fontsize=8, color="0.4")  # fmt: skip
-    ax.annotate(f"entropy floor without context: H(c) = {h0:.2f} nats", (0.99, h0),
-                xycoords=("axes fraction", "data"), xytext=(0, 3), textcoords="offset points",
-                fontsize=8, color="tab:red", ha="right", bbox=_LABEL_BOX)  # fmt: skip
-    ax.annotate(f"entropy floor with 1 character of context: H(c | previous c) = {h1:.2f} nats",
-                (0.99, h1), xycoords=("axes fraction", "data"), xytext=(0, -10),
-                textcoords="offset points", fontsize=8, color="tab:green", ha="right", bbox=_LABEL_BOX)  # fmt: skip
+    ax.annotate(f"no context: H(c) = {h0:.2f}", (0.99, h0), xycoords=("axes fraction", "data"),
+                xytext=(0, 3), textcoords="offset points", fontsize=8, color="tab:red",
+                ha="right", bbox=_LABEL_BOX)  # fmt: skip
+    ax.annotate(f"1 character of context: H(c | previous) = {h1:.2f}", (0.99, h1),
+                xycoords=("axes fraction", "data"), xytext=(0, -10), textcoords="offset points",
+                fontsize=8, color="tab:green", ha="right", bbox=_LABEL_BOX)  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats per character)")
-    ax.set_title(
-        "Character-level GPT on Shakespeare's sonnets, ShardedOptimizer(AdamW)", fontsize=10
-    )
+    ax.set_title("Character-level GPT on Shakespeare's sonnets: the same batches", fontsize=10)
     ax.set_ylim(0, 1.12 * max(math.log(vocab), *top))
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left")
+    ax.legend(loc="lower left", fontsize=8)
+    labels, width = [], 0.38
+    for i, record in enumerate(records.values()):
+        labels.append(f"world {record['world_size']}")
+        for j, name in enumerate(("ddp", "zero2")):
+            value = max(record[name]["bytes_per_param"])  # the rank holding most
+            x = i + (j - 0.5) * width
+            bars.bar(x, value, width, color=_COLOURS[name], label=_NAMES[name] if i == 0 else None)
+            bars.annotate(f"{value:.1f}", (x, value), xytext=(0, 2), textcoords="offset points",
+                          ha="center", fontsize=8)  # fmt: skip
+    bars.set_xticks(range(len(labels)), labels)
+    bars.set_ylim(
+        0, 1.35 * max(max(r[n]["bytes_per_param"]) for r in records.values() for n in _NAMES)
+    )
+    bars.set_ylabel("bytes per parameter held per rank")
+    bars.set_title(
+        "After a step: every live tensor storage\n(params, grads, AdamW state)", fontsize=10
+    )
+    bars.legend(loc="upper right", fontsize=8)
+    bars.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     path = out / "loss.png"
     fig.savefig(path)
@@ -400,8 +491,6 @@ def _torchrun(nproc: int, args: argparse.Namespace, extra: list[str]) -> None:
         "--out",
         args.out,
     ]
-    if args.no_overlap:
-        forwarded.append("--no-overlap")
     argv = ["--standalone", "--nproc-per-node", str(nproc), str(script), *forwarded, *extra]
     shown = shlex.join(["torchrun", *argv]).replace(str(script), os.path.relpath(script))
     print(f"$ {shown}", flush=True)
@@ -421,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="local ranks for the first phase")
     parser.add_argument(
-        "--resume-world-size", type=int, default=1, help="local ranks after resuming"
+        "--resume-world-size", type=int, default=3, help="local ranks after resuming"
     )
     parser.add_argument("--steps", type=int, default=150, help="steps per phase")
     parser.add_argument("--batch", type=int, default=32, help="global batch (text windows)")
@@ -429,9 +518,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo-out", help="output directory")
     parser.add_argument(
         "--resume", default=None, help="(under torchrun) resume from this checkpoint"
-    )
-    parser.add_argument(
-        "--no-overlap", action="store_true", help="do not register the overlap hook"
     )
     parser.add_argument(
         "--short", action="store_true", help="a quick run (20 steps per phase) for tests"
@@ -466,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     _torchrun(args.world_size, args, [])
     _torchrun(args.resume_world_size, args, ["--resume", str(Path(args.out) / "checkpoint")])
     out = Path(args.out)
-    first = json.loads((out / "loss-train.json").read_text())["losses"]
-    second = json.loads((out / "loss-resume.json").read_text())["losses"]
+    first = json.loads((out / "loss-train.json").read_text())["zero2"]["losses"]
+    second = json.loads((out / "loss-resume.json").read_text())["zero2"]["losses"]
     png = out / "loss.png"
     wrote = f"; wrote {png}" if png.exists() else ""
     print(

@@ -108,6 +108,22 @@ def test_third_party_imports_must_be_declared(repo: Path, make_package: MakePack
     )
 
 
+def test_a_package_never_released_lists_its_changes_under_unreleased(
+    repo: Path, make_package: MakePackage
+) -> None:
+    """A new package's CHANGELOG has no version heading until its first release (the release
+    tool writes it); its entries under Unreleased are what the release records. Without entries,
+    or once any version was released, the heading of the current version is required."""
+    fresh = make_package("fresh")
+    log = fresh / "CHANGELOG.md"
+    log.write_text("# Changelog\n\n## [Unreleased]\n\n### Added\n\n- All of it.\n")
+    assert _static(repo)["fresh"] == []
+    log.write_text("# Changelog\n\n## [Unreleased]\n")
+    assert any("no heading for the current version" in p for p in _static(repo)["fresh"])
+    log.write_text("# Changelog\n\n## [Unreleased]\n\n- Next.\n\n## [0.0.9] - 2024-01-01\n")
+    assert any("no heading for the current version" in p for p in _static(repo)["fresh"])
+
+
 def test_layout_rules(repo: Path, make_package: MakePackage) -> None:
     core = make_package("core", version="0.2.0")
     (core.parent.parent / "packages/core/src/shardkit/__init__.py").write_text("")

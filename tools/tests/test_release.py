@@ -289,3 +289,16 @@ def test_command_line(three_packages: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert "-m/--message" in proc.stderr
+
+
+def test_first_release_of_a_new_package(three_packages: Path) -> None:
+    """A package never released (no version heading, entries under Unreleased) is released at
+    the version it already declares; once released, that version is taken."""
+    changelog = three_packages / "packages/core/CHANGELOG.md"
+    changelog.write_text("# Changelog\n\n## [Unreleased]\n\n### Added\n\n- Everything.\n")
+    assert bump_version("0.1.0", "0.1.0", first_release=True) == "0.1.0"
+    assert bump_version("0.1.0", "patch", first_release=True) == "0.1.1"
+    args = ["core", "0.1.0", "--date", "2024-05-01", "--root", str(three_packages)]
+    assert release.main(args) == 0
+    assert "## [0.1.0] - 2024-05-01\n\n### Added\n\n- Everything.\n" in changelog.read_text()
+    assert release.main(args) == 2  # released now: 0.1.0 is not greater than 0.1.0

@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 from _optim_testkit import train
-from shardkit.optim import ShardedOptimizer, _commit, save_sharded
+import shardkit.checkpoint._commit as _commit
+from shardkit.optim import ShardedOptimizer, save_sharded
 from torch import nn
 
 

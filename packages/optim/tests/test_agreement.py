@@ -196,3 +196,43 @@ def test_save_sharded_on_one_rank_alone_raises_within_the_timeout(tmp_path: Path
         time.sleep(3)
         with pytest.raises(RuntimeError, match=r"different collective calls.*save_sharded"):
             opt.step()
+
+
+def test_registered_error_types_round_trip_by_name() -> None:
+    """The agreement knows no checkpoint type: shardkit.optim's checkpoint layer registers
+    shardkit.checkpoint's errors, which then come back with their type; an unregistered type
+    becomes the caller's default; a second type of the same name is refused."""
+    from shardkit.checkpoint import CheckpointNotFoundError, ChecksumError
+    from shardkit.optim import register_error_type
+    from shardkit.optim._agreement import agreed_error, outcome
+
+    for cls in (ChecksumError, CheckpointNotFoundError):
+        error = agreed_error([None, outcome(cls("bad"))], "op", template="{message}")
+        assert type(error) is cls and str(error) == "bad"
+
+    class Unknown(Exception):
+        pass
+
+    error = agreed_error([outcome(Unknown("x"))], "op", default=ValueError)
+    assert type(error) is ValueError
+    assert register_error_type(Unknown) is Unknown
+    assert type(agreed_error([outcome(Unknown("x"))], "op")) is Unknown
+
+    class ChecksumError(ValueError):  # another type named like a registered one
+        pass
+
+    with pytest.raises(ValueError, match="has the name of the registered"):
+        register_error_type(ChecksumError)
+
+
+def test_agreement_module_imports_no_checkpoint_type() -> None:
+    """Issue 38: the agreement module does not know checkpoint types (they are registered)."""
+    import ast
+
+    import shardkit.optim._agreement as agreement
+
+    tree = ast.parse(Path(agreement.__file__).read_text())
+    imported = [
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    ] + [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    assert not [m for m in imported if "checkpoint" in m or "safe_reader" in m], imported

@@ -99,7 +99,7 @@ def test_load_4_to_2(ckpt_root: Path) -> None:
 def test_failed_save_commits_nothing_and_leaves_nothing(
     ckpt_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardkit.optim._commit import Staging
+    from shardkit.checkpoint._commit import Staging
 
     model = _model()
     opt = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
@@ -115,7 +115,7 @@ def test_failed_save_commits_nothing_and_leaves_nothing(
     dist.barrier()
     assert not target.exists()
     assert not [f for f in os.listdir(ckpt_root) if ".tmp-" in f]  # the staging was removed
-    with pytest.raises(FileNotFoundError, match=r"not a committed shardkit\.optim checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"not a committed shardkit checkpoint"):
         load_sharded(opt, ckpt_root)
     # a failed save over an existing checkpoint leaves the old one loadable
     with pytest.raises(RuntimeError, match="simulated failure"):
@@ -158,4 +158,52 @@ def test_cli_consolidate(ckpt_root: Path, tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
-    assert bad.returncode == 2 and "not a committed shardkit.optim checkpoint" in bad.stderr
+    assert bad.returncode == 2 and "not a committed shardkit checkpoint" in bad.stderr
+
+
+class _PlainOptimizer:
+    """Not a ShardedOptimizer: a torch optimizer that one rank holds whole, exposing
+    :class:`ShardedCheckpointable` (global index = position in its param groups)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.group = dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.param_groups = opt.param_groups
+
+    @property
+    def collective_timeout(self) -> Any:
+        return None
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.opt.state_dict())
+
+    def checkpoint_indices(self) -> list[int]:
+        return list(range(sum(len(g["params"]) for g in self.param_groups)))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state_dict)
+
+
+@world(1)
+def test_any_sharded_checkpointable_saves_and_loads(tmp_path: Path) -> None:
+    """save_sharded / load_sharded need only the public ShardedCheckpointable protocol, which
+    ShardedOptimizer implements (checkpoint_indices is public: what this rank loads)."""
+    from shardkit.optim import ShardedCheckpointable
+
+    model = _model()
+    sharded = ShardedOptimizer(_groups(model), optim=torch.optim.Adam, lr=0.01)
+    assert isinstance(sharded, ShardedCheckpointable)
+    assert sharded.checkpoint_indices() == list(range(6))
+    plain = _PlainOptimizer(torch.optim.Adam(_groups(model), lr=0.01))
+    assert isinstance(plain, ShardedCheckpointable)
+    train(model, plain.opt, 2, batch=6)
+    save_sharded(plain, tmp_path / "ckpt")
+    want = plain.opt.state_dict()
+    got = load_consolidated(tmp_path / "ckpt")
+    assert got["param_groups"] == want["param_groups"]
+    for i, st in want["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in st.items())
+    load_sharded(sharded, tmp_path / "ckpt")  # into the sharded optimizer
+    for i, st in want["state"].items():
+        assert all(torch.equal(sharded.state_dict()["state"][i][k], v) for k, v in st.items())

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _optim_testkit import assert_state_equal, train
+from shardkit.checkpoint import CheckpointNotFoundError, CheckpointSaveError
 from shardkit.optim import (
     ShardedOptimizer,
     UnsafeCheckpointError,
@@ -75,6 +76,7 @@ def test_save_failing_on_one_rank_raises_on_every_rank(
 ) -> None:
     """Rank 1 alone fails (a state value it cannot record / its DCP write): every rank raises
     the same RuntimeError naming rank 1, nothing is committed and the staging is gone."""
+    import shardkit.checkpoint._commit as commit
     import shardkit.optim._checkpoint as ck
 
     opt = _trained()
@@ -91,13 +93,13 @@ def test_save_failing_on_one_rank_raises_on_every_rank(
                 if name == "written":
                     raise OSError("simulated: disk full")
 
-            monkeypatch.setattr(ck._commit, "crash_point", fail)
+            monkeypatch.setattr(commit, "crash_point", fail)
     cause = "simulated: a state value" if stage == "local state" else "OSError: simulated: disk"
     target = tmp_path / "ckpt"
     expected = rf"save_sharded\(.*ckpt\) failed, nothing was committed: rank 1: {cause}"
     with pytest.raises(RuntimeError, match=expected) as info:
         save_sharded(opt, target)
-    assert type(info.value) is RuntimeError
+    assert type(info.value) is CheckpointSaveError
     _same_on_every_rank(info.value)
     assert not target.exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
@@ -125,8 +127,8 @@ def _rank1_view(fault: str, good: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("fault", "kind", "message"),
     [
-        ("missing", FileNotFoundError, r"not-here is not a committed shardkit\.optim checkpoint"),
-        ("empty commit record", ValueError, r"commit record.*is empty"),
+        ("missing", CheckpointNotFoundError, r"not-here is not a committed shardkit checkpoint"),
+        ("empty commit record", UnsafeCheckpointError, r"commit record.*is empty"),
         ("format 1", UnsafeCheckpointError, r"format shardkit\.optim\.sharded/1.*allow_pickle"),
     ],
 )
@@ -190,7 +192,7 @@ def test_load_consolidated_raises_the_types_load_sharded_raises(
     for missing in (load_consolidated, lambda p: load_sharded(_trained(), p)):
         with pytest.raises(FileNotFoundError, match="is not a committed") as info:
             missing(tmp_path / "not-here")
-        assert type(info.value) is FileNotFoundError
+        assert type(info.value) is CheckpointNotFoundError
     for unsafe in (load_consolidated, lambda p: load_sharded(_trained(), p)):
         with pytest.raises(UnsafeCheckpointError, match="allow_pickle") as info:
             unsafe(_V1)

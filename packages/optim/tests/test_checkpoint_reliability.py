@@ -207,17 +207,17 @@ def test_files_not_visible_to_the_committer_fail_the_save_on_every_rank(
 ) -> None:
     """Rank 1 writes to a directory rank 0 cannot see (no shared filesystem): nothing is
     committed, every rank raises, and the staging directory is gone."""
-    import shardkit.optim._checkpoint as ck
+    import shardkit.checkpoint._api as api  # what shardkit.checkpoint.save writes with
 
     if dist.get_rank() == 1:
         private = tmp_path / "rank1-local"
-        real = ck._dcp_save
+        real = api._dcp_save
 
-        def local_save(sd: Any, checkpoint_id: str, process_group: Any) -> Any:
+        def local_save(sd: Any, storage_writer: Any, **kw: Any) -> Any:
             private.mkdir(exist_ok=True)
-            return real(sd, checkpoint_id=str(private), process_group=process_group)
+            return real(sd, storage_writer=type(storage_writer)(private), **kw)
 
-        monkeypatch.setattr(ck, "_dcp_save", local_save)
+        monkeypatch.setattr(api, "_dcp_save", local_save)
     model = _model()
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
     train(model, opt, 1, batch=6)

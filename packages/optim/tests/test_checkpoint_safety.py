@@ -4,8 +4,8 @@
   ``allow_pickle=True`` and re-saves in format 2 with bit-for-bit the same state;
 - a hostile checkpoint (the normal writer plus one object whose ``__reduce__`` runs
   ``os.system``, in the header, the metadata, a payload) raises and the command never runs;
-- DCP's ``.metadata`` goes through the allow-list unpickler, which ``SafeFileSystemReader``
-  offers to plain ``torch.distributed.checkpoint.load`` users;
+- DCP's ``.metadata`` goes through shardkit.checkpoint's allow-list unpickler (its own tests:
+  ``packages/checkpoint/tests``);
 - a checkpoint whose commit record is missing, empty or unreadable is refused on every rank;
   the opt-in still verifies every payload of a format-2 checkpoint.
 """
@@ -36,10 +36,10 @@ from shardkit.optim import (
 )
 from shardkit.testing import world
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 _HERE = Path(__file__).resolve().parent
 _V1 = _HERE / "data" / "v1"
+_V2 = _HERE / "data" / "v2"  # format 2, written by shardkit-optim 0.3.2 at world 2 (writer.py)
 
 
 class _Evil:
@@ -77,7 +77,8 @@ def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _write_v1(path: Path, extra: dict[str, Any] | None = None) -> None:
     """The format-1 writer of shardkit-optim <= 0.1.8 (one process): pickled header and
     param_groups, checksums in the commit record. ``extra`` goes into the pickled header."""
-    from shardkit.optim._commit import Staging, checksum
+    from shardkit.checkpoint import checksum
+    from shardkit.checkpoint._commit import Staging
 
     token = uuid.uuid4().hex
     staging = Staging(path, token)
@@ -129,7 +130,7 @@ def test_hostile_metadata_and_payload_never_run(v2: Path, tmp_path: Path) -> Non
     meta = _version(path) / ".metadata"
     good = meta.read_bytes()
     meta.write_bytes(pickle.dumps(_Evil(marker)))
-    with pytest.raises(UnsafeCheckpointError, match=r"global posix\.system is not allowed"):
+    with pytest.raises(UnsafeCheckpointError, match=r"global 'posix\.system' is not allowed"):
         load_consolidated(path)
     # the evil object nested deep inside otherwise valid metadata
     md = pickle.loads(good)
@@ -138,64 +139,6 @@ def test_hostile_metadata_and_payload_never_run(v2: Path, tmp_path: Path) -> Non
     with pytest.raises(UnsafeCheckpointError, match="is not allowed"):
         load_consolidated(path)
     assert not marker.exists()
-
-
-def test_safe_reader_for_plain_dcp_users(tmp_path: Path) -> None:
-    """SafeFileSystemReader with torch.distributed.checkpoint.load: plain values load, a
-    pickled object outside torch's weights-only allow-list raises, its code never runs."""
-    state = {"w": torch.randn(3, 2), "step": 7, "cfg": {"lr": 0.5, "name": "x"}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
-    out = {"w": torch.empty(3, 2), "step": 0, "cfg": {"lr": 0.0, "name": ""}}
-    dcp.load(out, storage_reader=SafeFileSystemReader(tmp_path / "ok"), no_dist=True)
-    assert torch.equal(out["w"], state["w"]) and out["step"] == 7 and out["cfg"] == state["cfg"]
-    marker = tmp_path / "pwned"
-    dcp.save(
-        {"w": torch.randn(2), "evil": _Evil(marker)},
-        checkpoint_id=str(tmp_path / "bad"),
-        no_dist=True,
-    )
-    with pytest.raises(CheckpointException) as info:  # DCP's wrapper (a BaseException)
-        dcp.load(
-            {"w": torch.empty(2), "evil": None},
-            storage_reader=SafeFileSystemReader(tmp_path / "bad"),
-            no_dist=True,
-        )
-    assert "UnsafeCheckpointError: checkpoint item 'evil'" in str(info.getrepr())
-    assert not marker.exists()
-
-
-def test_metadata_pin(v2: Path) -> None:
-    """Pins the allow-list unpickler on real DCP metadata of this torch (see [Note: Allow-list
-    unpickling]): it reads back equal to what pickle reads, through every protocol >= 2."""
-    from shardkit.optim._unpickle import restricted_loads
-
-    for version in (_version(v2), _version(_V1 / "ckpt")):
-        data = (version / ".metadata").read_bytes()
-        want = pickle.loads(data)
-        assert restricted_loads(data, "metadata") == want
-        for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
-            assert restricted_loads(pickle.dumps(want, protocol=proto), "m") == want
-
-
-@pytest.mark.parametrize(
-    ("blob", "message"),
-    [
-        (b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00X\xff\xff\xff\x7fabc.", "truncated"),
-        (b"\x80\x04K\x01r\xff\xff\xff\xff.", None),  # a huge memo index: a dict, not an array
-        (b"\x80\x04cos\nsystem\n.", r"global os\.system"),
-        (b"(S'x'\nio\ns.", "opcode"),  # INST
-        (b"\x80\x04P0\n.", "opcode"),  # PERSID
-        (b"\x80\x04]K\x01a\x8c\x08builtins\x8c\x04eval\x93.", r"builtins\.eval"),
-    ],
-)
-def test_unpickler_refuses(blob: bytes, message: str | None) -> None:
-    from shardkit.optim._unpickle import UnsafePickleError, restricted_loads
-
-    if message is None:
-        assert restricted_loads(blob, "m") == 1
-        return
-    with pytest.raises(UnsafePickleError, match=message):
-        restricted_loads(blob, "m")
 
 
 # ---------------------------------------------------------------- format 1 -> 2
@@ -207,6 +150,74 @@ def _v1_model() -> tuple[nn.Module, ShardedOptimizer]:
     ps = list(model.parameters())
     groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}]
     return model, ShardedOptimizer(groups, optim=torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
+
+
+def _v2_model() -> ShardedOptimizer:
+    """The model and optimizer of tests/data/v2/writer.py (bf16 params, fp32 masters)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.bfloat16)
+    ps = list(model.parameters())
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}]
+    return ShardedOptimizer(
+        groups, optim=torch.optim.Adam, lr=0.01, betas=(0.8, 0.99), master_dtype=torch.float32
+    )
+
+
+def test_format_2_of_an_earlier_release_loads(tmp_path: Path) -> None:
+    """tests/data/v2 was written by save_sharded of shardkit-optim 0.3.2 (before
+    shardkit-checkpoint: item CRC-32s only, no stored-chunk CRC-32s). It loads offline, is
+    verified item by item (a flipped payload bit is refused), and the shardkit-checkpoint CLI
+    verifies it against the same item CRC-32s."""
+    want = torch.load(_V2 / "expected.pt", weights_only=True)
+    assert_state_equal(want, load_consolidated(_V2 / "ckpt"))
+    res = subprocess.run(
+        [sys.executable, "-m", "shardkit.checkpoint", "verify", str(_V2 / "ckpt")],
+        capture_output=True, text=True, timeout=120, check=False,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert res.returncode == 0 and "CRC-32 of every item" in res.stdout, res.stdout + res.stderr
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(_V2 / "ckpt", damaged)
+    _flip_payload_bit(_version(damaged), want["state"][2]["exp_avg"].numpy().tobytes())
+    with pytest.raises(ValueError, match=r"'state/2/exp_avg'.*fails its checksum"):
+        load_consolidated(damaged)
+
+
+@world(2, timeout=120)
+def test_format_2_of_an_earlier_release_resumes_at_world_2(tmp_path: Path) -> None:
+    """The same checkpoint into a sharded optimizer, then saved again by this release: both
+    hold the saved state bit for bit."""
+    want = torch.load(_V2 / "expected.pt", weights_only=True)
+    opt = _v2_model()
+    load_sharded(opt, _V2 / "ckpt")
+    assert_state_equal(want, opt.state_dict(all_ranks=True))
+    save_sharded(opt, tmp_path / "again")
+    fresh = _v2_model()
+    load_sharded(fresh, tmp_path / "again")
+    assert_state_equal(want, fresh.state_dict(all_ranks=True))
+
+
+def test_a_new_checkpoint_still_reads_as_format_2(v2: Path, tmp_path: Path) -> None:
+    """What shardkit-optim 0.3 reads of a checkpoint this release writes: the commit record
+    without shardkit-checkpoint's fields is a valid format-2 header, and the item CRC-32s of
+    the header record alone verify every item (so a rollback can load it)."""
+    import json
+
+    from shardkit.optim._records import validate_header
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(v2, path)
+    record_file = _version(path) / "SHARDKIT_COMMIT"
+    record = json.loads(record_file.read_text())
+    assert record["layout"] == "shardkit.checkpoint/1" and record["storage_checksums"]
+    old = {k: v for k, v in record.items() if k not in ("layout", "storage_checksums")}
+    validate_header(old, "record")
+    record_file.write_text(json.dumps(old))  # as 0.3 would see it: item CRC-32s only
+    state = load_consolidated(path)
+    assert state["state"] and state["param_groups"]
+    _flip_payload_bit(_version(path), state["state"][0]["exp_avg"].numpy().tobytes())
+    with pytest.raises(ValueError, match=r"'state/0/exp_avg'.*fails its checksum"):
+        load_consolidated(path)
 
 
 def test_format_1_loads_only_with_the_opt_in(tmp_path: Path) -> None:
@@ -325,12 +336,12 @@ def test_hostile_header_from_the_current_writer(
     import shardkit.optim._checkpoint as ck
 
     marker = tmp_path / "pwned"
-    real = ck._dcp_save
+    real = ck.save  # shardkit.checkpoint.save, as save_sharded calls it
 
-    def evil_save(sd: dict[str, Any], **kw: Any) -> Any:
-        return real({**sd, "shardkit/header": _Evil(marker)}, **kw)
+    def evil_save(sd: dict[str, Any], path: Any, **kw: Any) -> Any:
+        return real({**sd, "shardkit/header": _Evil(marker)}, path, **kw)
 
-    monkeypatch.setattr(ck, "_dcp_save", evil_save)
+    monkeypatch.setattr(ck, "save", evil_save)
     model, opt = _small()
     model(torch.ones(2, 4)).sum().backward()
     opt.step()

@@ -4,8 +4,13 @@ It also owns the sharding engine the other distributions drive (``docs/engine.md
 ZeRO-1 partition (:class:`ShardLayout`) and driver contract (:class:`StepDriver`,
 :class:`ShardOwner`), and ZeRO-2's owner-contiguous flat buckets (:class:`FlatBucket`), the
 local step of a rank's shards (:class:`ShardStepper`) and their state dicts.
+
+Sharded checkpoints (:func:`save_sharded`, :func:`load_sharded`, :func:`load_consolidated`)
+ride on shardkit-checkpoint; :class:`SafeFileSystemReader` and :class:`UnsafeCheckpointError`
+are shardkit.checkpoint's, re-exported here for the code written against shardkit-optim 0.3.
 """
 
+from shardkit.checkpoint import SafeFileSystemReader, UnsafeCheckpointError
 from shardkit.optim.__about__ import __version__
 from shardkit.optim._agreement import (
     agree_call,
@@ -15,8 +20,14 @@ from shardkit.optim._agreement import (
     hyperparam_digest,
     hyperparams,
     register_call,
+    register_error_type,
 )
-from shardkit.optim._checkpoint import load_consolidated, load_sharded, save_sharded
+from shardkit.optim._checkpoint import (
+    ShardedCheckpointable,
+    load_consolidated,
+    load_sharded,
+    save_sharded,
+)
 from shardkit.optim._compat import OSS, ZeroRedundancyOptimizer
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._flat import (
@@ -26,7 +37,6 @@ from shardkit.optim._flat import (
     is_elementwise,
 )
 from shardkit.optim._grad_scaler import ShardedGradScaler
-from shardkit.optim._safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from shardkit.optim._shard_state import (
     AllGather,
     ParkedState,
@@ -49,6 +59,7 @@ __all__ = [
     "ShardLayout",
     "ShardOwner",
     "ShardStepper",
+    "ShardedCheckpointable",
     "ShardedGradScaler",
     "ShardedOptimizer",
     "StepDriver",
@@ -71,5 +82,6 @@ __all__ = [
     "profiler_range",
     "queue_end_of_backward",
     "register_call",
+    "register_error_type",
     "save_sharded",
 ]

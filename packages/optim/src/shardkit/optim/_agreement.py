@@ -57,7 +57,6 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 from shardkit.optim._dist import _comm_device
-from shardkit.optim._safe_reader import UnsafeCheckpointError
 from shardkit.optim._state import _hyperparams
 from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
@@ -72,6 +71,7 @@ __all__ = [
     "hyperparams",
     "outcome",
     "register_call",
+    "register_error_type",
 ]
 
 hyperparams = _hyperparams
@@ -101,14 +101,28 @@ def hyperparam_digest(param_groups: Sequence[dict[str, Any]]) -> int:
 # data (the checksums of a save) or with :func:`agree_outcome`, keeping their own messages
 # through ``template``.
 _ERROR_TYPES: dict[str, type[Exception]] = {
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "RuntimeError": RuntimeError,
-    "FileNotFoundError": FileNotFoundError,
-    "UnsafeCheckpointError": UnsafeCheckpointError,
+    t.__name__: t for t in (TypeError, ValueError, RuntimeError, FileNotFoundError)
 }
 """The error types an agreement raises again on every rank, by name (a rank gathers only names
-and messages); a failing rank's error of another type is raised as the caller's default."""
+and messages): these, and those added with :func:`register_error_type` (e.g. the checkpoint
+errors, by ``_checkpoint.py``); a failing rank's error of another type is raised as the
+caller's default."""
+
+
+def register_error_type(cls: type[Exception]) -> type[Exception]:
+    """Lets agreements raise ``cls`` again on every rank when a rank fails with it (at import
+    time, on every rank); returns ``cls``. ``cls(message)`` must build one.
+
+    Raises:
+        ValueError: another type of the same name is registered.
+    """
+    if _ERROR_TYPES.setdefault(cls.__name__, cls) is not cls:
+        raise ValueError(
+            f"error type {cls.__module__}.{cls.__qualname__} has the name of the registered "
+            f"{_ERROR_TYPES[cls.__name__]!r}: agreements raise errors by name; rename one"
+        )
+    return cls
+
 
 Outcome: TypeAlias = tuple[str, str] | None
 """What an agreement gathers of one rank's local check: ``(error type name, message)``, or
@@ -171,8 +185,9 @@ def agreed_error(
 
     Every rank that passes the same ``outcomes`` (e.g. from one all-gather, alone or with data)
     gets the same error: the first failing rank's error type, by name (``TypeError``,
-    ``ValueError``, ``RuntimeError``, ``FileNotFoundError``, ``UnsafeCheckpointError``;
-    ``default`` for any other), and its message through ``template``.
+    ``ValueError``, ``RuntimeError``, ``FileNotFoundError`` and the types of
+    :func:`register_error_type`; ``default`` for any other), and its message through
+    ``template``.
 
     Args:
         outcomes: every rank's :data:`Outcome`, in rank order.
@@ -218,7 +233,7 @@ def agree_outcome(
         default: the type raised for an error type :func:`agreed_error` does not list.
 
     Raises:
-        TypeError, ValueError, RuntimeError, FileNotFoundError, UnsafeCheckpointError: the
+        TypeError, ValueError, RuntimeError, FileNotFoundError or a registered type: the
             first failing rank's error type (others as ``default``), on every rank.
     """
     mine = outcome(error) if isinstance(error, BaseException) else error

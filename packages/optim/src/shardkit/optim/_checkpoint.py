@@ -7,13 +7,17 @@ Every state tensor is stored under its own DCP key ``state/<global index>/<state
 ``master/<global index>`` (see [Note: Master weights]); each rank writes only the keys of the
 params it owns, so no rank ever holds more than its shard. ``shardkit/param_groups``
 (hyperparams and global indices) and ``shardkit/header`` are JSON records stored once (see
-[Note: Checkpoint records]). Loading at any world size reads DCP's metadata, asks for the keys
-of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding is a
-change of which keys each rank asks for, nothing else.
+[Note: Optimizer checkpoint records]). Loading at any world size reads DCP's metadata, asks for
+the keys of the params this rank owns *now*, and feeds them to ``load_state_dict``: resharding
+is a change of which keys each rank asks for, nothing else.
 
-The commit and its crash safety: [Note: Atomic commit] in ``_commit.py``; checksums: [Note:
-Checkpoint checksums]; what a load checks before reading or allocating anything: [Note: Load
-validation] in ``_load_checks.py``; reading untrusted files: [Note: Safe DCP reading].
+The save and the reading ride on shardkit.checkpoint, through its public API: the commit and
+its crash safety ([Note: Atomic commit]), the CRC-32 of every stored chunk ([Note: Checkpoint
+checksums]), reading untrusted files ([Note: Safe DCP reading]). What this module adds: the
+optimizer's items and records, the item CRC-32s of its header (which shardkit-optim 0.3 and
+earlier wrote instead, and which verify a checkpoint whose commit record was lost), and what a
+load checks against the params ([Note: Load validation] in ``_load_checks.py``). What an
+optimizer must expose to be checkpointed: :class:`ShardedCheckpointable`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,25 @@ import pickle
 import uuid
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import _commit
+from shardkit.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ChecksumError,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    checksum,
+    describe,
+    open_checkpoint,
+    save,
+    to_record,
+)
 from shardkit.optim._agreement import (
     _CALLS,
     Outcome,
@@ -38,8 +55,8 @@ from shardkit.optim._agreement import (
     agree_outcome,
     agreed_error,
     outcome,
+    register_error_type,
 )
-from shardkit.optim._commit import Staging, checksum, read_header, resolve, verify_checksums
 from shardkit.optim._load_checks import Opened, parse_key, request, validate_against
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._records import (
@@ -53,25 +70,61 @@ from shardkit.optim._records import (
     encode_groups,
     encode_value,
     from_tensor,
-    to_tensor,
     validate_header,
-)
-from shardkit.optim._safe_reader import (
-    SafeFileSystemReader,
-    UnsafeCheckpointError,
-    read_safe_metadata,
 )
 from shardkit.partition import all_gather_objects
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
-if TYPE_CHECKING:
-    from shardkit.optim._sharded_optimizer import ShardedOptimizer
-
-__all__ = ["load_consolidated", "load_sharded", "save_sharded"]
+__all__ = ["ShardedCheckpointable", "load_consolidated", "load_sharded", "save_sharded"]
 
 logger = logging.getLogger("shardkit.optim")
+
+# The checkpoint errors a failing rank's agreement raises again on every rank, with their type
+# (see [Note: One agreement module]); the agreement module itself knows no checkpoint type.
+for _error in (
+    UnsafeCheckpointError,
+    ChecksumError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+):
+    register_error_type(_error)
+
+
+@runtime_checkable
+class ShardedCheckpointable(Protocol):
+    """What an optimizer exposes to :func:`save_sharded` and :func:`load_sharded` (implemented
+    by :class:`ShardedOptimizer`): every rank of ``group`` holds part of the state, addressed by
+    global parameter indices (see [Note: Global parameter index]).
+    """
+
+    group: dist.ProcessGroup
+    """The process group whose ranks share the state (every rank of it saves and loads)."""
+    rank: int
+    """This rank in ``group``."""
+    world_size: int
+    """The size of ``group``."""
+    param_groups: list[dict[str, Any]]
+    """The param groups; their params in order define the global indices."""
+
+    @property
+    def collective_timeout(self) -> timedelta | None:
+        """How long a rank waits for the others to enter a save or load (``None``: the
+        process group's timeout)."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part, ``{"state": {global index: state}, "param_groups": [...]}`` (plus
+        ``"master_params": {global index: tensor}``), every index on exactly one rank.
+        Called on every rank (it may be collective)."""
+
+    def checkpoint_indices(self) -> list[int]:
+        """The global indices whose saved state this rank loads."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a plain state dict holding (at least) the state of
+        :meth:`checkpoint_indices`, and every param group."""
+
 
 _MASTER_PREFIX = "master/"
 
@@ -84,8 +137,8 @@ _ALONE = "{what}: {message}"  # load_consolidated: one process, the whole messag
 
 
 def _failed(message: str) -> Outcome:
-    """A failed save's outcome: raised as a ``RuntimeError`` on every rank."""
-    return "RuntimeError", message
+    """A failed save's outcome: raised as a ``CheckpointSaveError`` on every rank."""
+    return CheckpointSaveError.__name__, message
 
 
 def _require_numpy(what: str) -> None:
@@ -125,38 +178,31 @@ def _local_items(local: dict[str, Any]) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> None:
+def save_sharded(optimizer: ShardedCheckpointable, path: str | os.PathLike[str]) -> None:
     """Saves the optimizer state as a DCP checkpoint, each rank writing its shard. Collective.
 
     The new checkpoint replaces the one at ``path`` atomically (see [Note: Atomic commit]):
     a crash at any point leaves the old or the new checkpoint loadable there. It is written in
     format ``shardkit.optim.sharded/2``: tensors and JSON records only, nothing pickled of
-    shardkit's own (see ``docs/security.md``).
+    shardkit's own (see ``docs/security.md``), through :func:`shardkit.checkpoint.save` (the
+    CRC-32 of every stored chunk in the commit record).
 
     Args:
         optimizer: the sharded optimizer (every rank of its group calls this).
         path: the checkpoint directory. All ranks must see the same filesystem path.
 
     Raises:
-        RuntimeError: the save failed on some rank (e.g. a state value that is neither a tensor
-            nor JSON-like), or the files of some rank are not visible where the checkpoint is
-            committed (raised on every rank; nothing is committed and the staging directory is
-            removed).
+        CheckpointSaveError: (a ``RuntimeError``) the save failed on some rank (e.g. a state
+            value that is neither a tensor nor JSON-like), or the files of some rank are not
+            visible where the checkpoint is committed (raised on every rank; nothing is
+            committed and the staging directory is removed).
     """
     _require_numpy("save_sharded")
+    group = optimizer.group
     # Every rank in this call, within collective_timeout: see [Note: Call agreement].
-    agree_call(_CALLS[3], optimizer.group, optimizer.collective_timeout)
+    agree_call(_CALLS[3], group, optimizer.collective_timeout)
     final = Path(path)
     what = f"save_sharded({final})"
-    group = optimizer.group
-    coordinator = optimizer.rank == 0
-    # Rank 0 names the save and decides where it stages; every rank writes there.
-    # See [Note: Object collectives without NumPy].
-    staging: Staging | None = Staging(final, uuid.uuid4().hex) if coordinator else None
-    plan = all_gather_objects(
-        None if staging is None else (staging.token, str(staging.stage)), group
-    )[0]
-    token, stage = str(plan[0]), Path(plan[1])
     local = optimizer.local_state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     error: Outcome = None
@@ -166,75 +212,54 @@ def save_sharded(optimizer: ShardedOptimizer, path: str | os.PathLike[str]) -> N
         sd[GROUPS_KEY] = encode_groups(local["param_groups"])
     except TypeError as e:
         error = _failed(f"rank {optimizer.rank}: {e}")
-    if staging is not None and error is None:
-        try:
-            staging.prepare()
-        except OSError as e:
-            error = _failed(f"preparing {staging.stage} failed: {type(e).__name__}: {e}")
-    # See [Note: Checkpoint checksums]; the header record carries them too ([Note: Commit
+    # Rank 0 names the save. The header record carries every item's CRC-32 ([Note: Commit
     # record required]), so every rank needs all of them before DCP writes: one gather of
-    # every rank's outcome and checksums.
+    # every rank's outcome and checksums. See [Note: Object collectives without NumPy].
+    token = uuid.uuid4().hex if optimizer.rank == 0 else None
     sums = {k: checksum(v) for k, v in sd.items()}
-    gathered = all_gather_objects((error, sums), group)
-    failure = agreed_error([e for e, _ in gathered], what, template=_NOT_COMMITTED)
+    gathered = all_gather_objects((token, error, sums), group)
+    failure = agreed_error([e for _, e, _ in gathered], what, template=_NOT_COMMITTED)
     if failure is not None:
-        if staging is not None:
-            staging.abort()
         raise failure
+    token = str(gathered[0][0])
     header: dict[str, Any] = {
         "format": FORMAT,
         "num_params": len(params),
         "param_shapes": [list(p.shape) for p in params],
         "world_size": optimizer.world_size,
         "token": token,
-        "checksums": dict(sorted((k, v) for _, part in gathered for k, v in part.items())),
+        "checksums": dict(sorted((k, v) for _, _, part in gathered for k, v in part.items())),
     }
-    sd[HEADER_KEY] = to_tensor(header)
+    sd[HEADER_KEY] = to_record(header, HEADER_KEY)
+    record = dict(header, checksums={**header["checksums"], HEADER_KEY: checksum(sd[HEADER_KEY])})
     try:
-        _dcp_save(sd, checkpoint_id=str(stage), process_group=group)
-        _commit.crash_point("written")
-    except (Exception, CheckpointException) as e:  # every rank must reach the agreement below
-        error = _failed(f"rank {optimizer.rank}: {type(e).__name__}: {e}")
-    failure = agreed_error(all_gather_objects(error, group), what, template=_NOT_COMMITTED)
-    if staging is not None:
-        if failure is None:
-            record = dict(
-                header, checksums={**header["checksums"], HEADER_KEY: checksum(sd[HEADER_KEY])}
-            )
-            try:
-                staging.commit(record)
-            except OSError as e:
-                error = _failed(f"committing on rank 0 failed: {type(e).__name__}: {e}")
-        if failure is not None or error is not None:
-            staging.abort()
-    if failure is not None:  # the same on every rank
-        raise failure
-    agree_outcome(error, group, what, template=_NOT_COMMITTED)  # rank 0's commit
+        save(sd, final, process_group=group, record=record, token=token)
+    except CheckpointSaveError as e:  # raised on every rank alike
+        raise CheckpointSaveError(_NOT_COMMITTED.format(what=what, message=e.detail)) from None
 
 
 def _open(path: Path, allow_pickle: bool, allow_missing_commit_record: bool) -> Opened:
-    """The committed version, its safely read metadata and its validated commit record.
+    """The committed version, its safely read metadata and its commit record, validated as an
+    optimizer header.
 
     Raises:
         FileNotFoundError / ValueError: see :func:`load_sharded`.
     """
-    version = resolve(path, require_marker=not allow_missing_commit_record)
-    metadata = read_safe_metadata(version)
-    record: dict[str, Any] | None
-    try:
-        record = validate_header(
-            read_header(version), str(version / _commit.MARKER), legacy_ok=True
-        )
-    except ValueError as e:
-        if not allow_missing_commit_record:
-            raise
-        logger.warning(
-            "loading %s without its commit record (allow_missing_commit_record=True): %s",
-            path,
-            str(e).split(";")[0],
-        )
-        record = None
-    keys = metadata.state_dict_metadata
+    ck = open_checkpoint(path, allow_missing_commit_record=allow_missing_commit_record)
+    record: dict[str, Any] | None = None
+    if ck.record is not None:
+        try:
+            where = str(ck.version / "SHARDKIT_COMMIT")
+            record = validate_header(ck.record, where, legacy_ok=True)
+        except ValueError as e:
+            if not allow_missing_commit_record:
+                raise
+            logger.warning(
+                "loading %s without its commit record (allow_missing_commit_record=True): %s",
+                path,
+                str(e).split(";")[0],
+            )
+    keys = ck.metadata.state_dict_metadata
     fmt = (
         record["format"]
         if record is not None
@@ -255,16 +280,41 @@ def _open(path: Path, allow_pickle: bool, allow_missing_commit_record: bool) -> 
             LEGACY_FORMAT,
             FORMAT,
         )
-    return Opened(version, metadata, record, fmt)
+    return Opened(ck, record, fmt)
 
 
 def _where(metadata: Any, key: str) -> str:
     """The file holding ``key``'s data, for error messages."""
     files = sorted(
-        {str(info.relative_path) for idx, info in (metadata.storage_data or {}).items()
-         if getattr(idx, "fqn", None) == key}
-    )  # fmt: skip
+        {str(info.relative_path) for idx, info in metadata.storage_data.items() if idx.fqn == key}
+    )
     return f"file {', '.join(files)}" if files else "file unknown"
+
+
+def _verify_items(
+    loaded: dict[str, Any], expected: dict[str, int], where: Callable[[str], str], strict: bool
+) -> None:
+    """Every item of ``loaded`` matches its CRC-32 in ``expected`` (with ``strict``, every
+    tensor item has one). See [Note: Optimizer checkpoint records].
+
+    Raises:
+        ChecksumError: naming the first item that fails.
+    """
+    for key, value in loaded.items():
+        want = expected.get(key)
+        if want is None and strict and isinstance(value, torch.Tensor):
+            raise ChecksumError(
+                f"item {describe(key)} ({where(key)}) has no saved checksum: it was not part of "
+                f"the save"
+            )
+        if want is None or value is None:
+            continue
+        got = checksum(value)
+        if got != want:
+            raise ChecksumError(
+                f"item {describe(key)} ({where(key)}) fails its checksum (crc32 {got:#010x}, "
+                f"saved {want:#010x}): the file was modified or corrupted after the save"
+            )
 
 
 def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, Any]:
@@ -275,18 +325,15 @@ def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, An
     Raises:
         ValueError: an item fails its checksum, or a record fails its schema.
     """
-    where = lambda key: _where(opened.metadata, key)  # noqa: E731
+    metadata = opened.checkpoint.metadata
+    where = lambda key: _where(metadata, key)  # noqa: E731
     if opened.format == LEGACY_FORMAT:
         sums = opened.record.get("checksums", {}) if opened.record is not None else {}
-        bad = verify_checksums(loaded, sums, where)
-        if bad is not None:
-            raise ValueError(bad)
+        _verify_items(loaded, sums, where, strict=False)
         return _assemble_legacy(loaded)
     record_sums = opened.record["checksums"] if opened.record is not None else None
     if record_sums is not None:
-        bad = verify_checksums({HEADER_KEY: loaded[HEADER_KEY]}, record_sums, where, strict=True)
-        if bad is not None:
-            raise ValueError(bad)
+        _verify_items({HEADER_KEY: loaded[HEADER_KEY]}, record_sums, where, strict=True)
     header = validate_header(from_tensor(loaded[HEADER_KEY], HEADER_KEY), HEADER_KEY)
     if opened.record is not None and header["token"] != opened.record["token"]:
         raise UnsafeCheckpointError(
@@ -294,16 +341,14 @@ def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, An
             f"{opened.record['token']}: files of two checkpoints were mixed"
         )
     sums = record_sums if record_sums is not None else header["checksums"]
-    missing = sorted(set(sums) - set(opened.metadata.state_dict_metadata) - {HEADER_KEY})
+    missing = sorted(set(sums) - set(metadata.state_dict_metadata) - {HEADER_KEY})
     if missing:
         raise UnsafeCheckpointError(
             f"{len(missing)} saved item(s) are not in the checkpoint's metadata (first: "
-            f"{missing[0]!r}); the checkpoint is damaged or crafted"
+            f"{describe(missing[0])}); the checkpoint is damaged or crafted"
         )
     rest = {k: v for k, v in loaded.items() if k != HEADER_KEY}
-    bad = verify_checksums(rest, sums, where, strict=True)
-    if bad is not None:
-        raise ValueError(bad)
+    _verify_items(rest, sums, where, strict=True)
     groups = lambda: decode_groups(loaded[GROUPS_KEY], header["num_params"])  # noqa: E731
     return _plain(rest, groups, decode=True)
 
@@ -312,7 +357,9 @@ def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
     """Format 1: pickled records (the caller opted in with ``allow_pickle=True``)."""
     header = pickle.loads(loaded["shardkit_optim"])  # opted in: see allow_pickle
     if not isinstance(header, dict) or header.get("format") != LEGACY_FORMAT:
-        raise ValueError(f"unsupported checkpoint format {header!r:.200}; expected {LEGACY_FORMAT}")
+        raise ValueError(
+            f"unsupported checkpoint format {describe(header)}; expected {LEGACY_FORMAT}"
+        )
     groups = lambda: pickle.loads(loaded["param_groups"])  # noqa: E731 (opted in: allow_pickle)
     return _plain(loaded, groups, decode=False)
 
@@ -345,20 +392,31 @@ def _plain(items: dict[str, Any], groups: Callable[[], Any], *, decode: bool) ->
 
 
 def _reader(opened: Opened, allow_pickle: bool) -> SafeFileSystemReader:
-    return SafeFileSystemReader(
-        str(opened.version), allow_pickle=allow_pickle and opened.format == LEGACY_FORMAT
-    )
+    return opened.checkpoint.reader(allow_pickle=allow_pickle and opened.format == LEGACY_FORMAT)
 
 
-def _describe(e: BaseException) -> str:
-    """``Type: message`` of ``e``; of the first rank's failure for DCP's CheckpointException."""
+def _first_failure(e: BaseException) -> tuple[BaseException, int | None]:
+    """``e``, or the first failing rank's exception of DCP's CheckpointException."""
     failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
     if isinstance(failures, dict) and failures:
         rank = min(failures)
         inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
         if isinstance(inner, BaseException):
-            return f"{type(inner).__name__}: {str(inner)[:2000]} (rank {rank})"
-    return f"{type(e).__name__}: {str(e)[:2000]}"
+            return inner, rank
+    return e, None
+
+
+def _read_error(e: BaseException, what: str) -> ValueError:
+    """The error of a failed read: shardkit.checkpoint's own type (a CRC-32 mismatch, a crafted
+    item), else ``UnsafeCheckpointError``; the same on every rank (DCP gathers every rank's)."""
+    inner, rank = _first_failure(e)
+    text = f"{type(inner).__name__}: {str(inner)[:2000]}"
+    text += "" if rank is None else f" (rank {rank})"
+    if isinstance(inner, UnsafeCheckpointError):
+        return type(inner)(f"{what}: {text}")
+    return UnsafeCheckpointError(
+        f"{what}: reading the checkpoint failed, it is damaged or crafted: {text}"
+    )
 
 
 def _read_verified(
@@ -388,9 +446,7 @@ def _read_verified(
                 )
                 _dcp_load(req, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # with a group: on every rank (gathered)
-        raise ValueError(
-            f"{what}: reading the checkpoint failed, it is damaged or crafted: {_describe(e)}"
-        ) from None
+        raise _read_error(e, what) from None
     error: ValueError | None = None
     assembled: dict[str, Any] | None = None
     try:
@@ -411,7 +467,7 @@ def _read_verified(
 
 
 def load_sharded(
-    optimizer: ShardedOptimizer,
+    optimizer: ShardedCheckpointable,
     path: str | os.PathLike[str],
     *,
     allow_pickle: bool = False,
@@ -463,7 +519,7 @@ def load_sharded(
     agree_outcome(outcome(error), group, "load_sharded", template=_AS_IS, default=ValueError)
     if opened is None:  # unreachable: no rank reported an error
         raise RuntimeError("load_sharded: internal error, the checkpoint was not opened")
-    wanted = set(optimizer._checkpoint_indices())  # noqa: SLF001 (shardkit-optim's own)
+    wanted = set(optimizer.checkpoint_indices())
     req = request(opened, wanted)
     optimizer.load_state_dict(
         _read_verified(opened, req, f"load_sharded({path})", allow_pickle, group)

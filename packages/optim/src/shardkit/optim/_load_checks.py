@@ -1,11 +1,11 @@
-"""What a load checks before it reads a payload or allocates a buffer.
+"""What an optimizer load checks before it reads a payload or allocates a buffer.
 
 [Note: Load validation]
 Every rank checks the whole checkpoint against its params before anything is read or any
 state is touched, on information all ranks share (the commit record and DCP's metadata, read
-safely: see [Note: Safe DCP reading]), so a mismatch raises the same error on every rank
-instead of only on the owner of the mismatching entry (whose peers would then wait in the next
-collective):
+safely by ``shardkit.checkpoint.open_checkpoint``: see [Note: Safe DCP reading]), so a mismatch
+raises the same error on every rank instead of only on the owner of the mismatching entry
+(whose peers would then wait in the next collective):
 
 - the number of params and every param's shape exactly (including size-1 dims), from the
   commit record;
@@ -14,12 +14,13 @@ collective):
 - every master has its param's shape; a state tensor has its param's shape, or is a scalar
   (``()``: Adam's ``step``, also beside a param of shape ``(1,)`` or ``()``), or has fewer
   elements than its param (factored states); a state tensor with as many elements as its
-  param but another shape is refused; a record is a 1-D ``uint8`` tensor of bounded size;
-- sizes, before any buffer exists: every stored chunk holds at least its declared bytes and
-  at most that plus ``torch.save``'s framing, lies inside its file, and no two chunks share
-  bytes of a file. Every buffer a load allocates is therefore backed by distinct bytes on
-  disk and bounded by its param (so a metadata declaring a huge tensor is refused, not
-  allocated): a load allocates at most the state it would legitimately hold, plus records.
+  param but another shape is refused; a record is a 1-D ``uint8`` tensor of bounded size, a
+  non-tensor item (format 1) at most 16 MiB;
+- sizes, before any buffer exists: every stored chunk is backed by distinct bytes of its file
+  (shardkit.checkpoint's [Note: Disk-backed sizes], checked when the checkpoint is opened).
+  Every buffer a load allocates is therefore backed by bytes on disk and bounded by its param
+  (so a metadata declaring a huge tensor is refused, not allocated): a load allocates at most
+  the state it would legitimately hold, plus records.
 
 Without a model (``load_consolidated``) the shapes come from the commit record; with the
 commit record missing and opted out of too (``allow_missing_commit_record``) only the
@@ -34,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shardkit.checkpoint import Checkpoint, UnsafeCheckpointError, describe
 from shardkit.optim._records import FORMAT, GROUPS_KEY, HEADER_KEY, LEGACY_FORMAT
-from shardkit.optim._safe_reader import _FRAMING, UnsafeCheckpointError
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -50,18 +50,21 @@ _MAX_VALUE_BYTES = 64 * 1024
 _MAX_BYTES_ITEM = 16 * 1024 * 1024
 
 
-@dataclass
+@dataclass(frozen=True)
 class Opened:
-    """A committed checkpoint version, read safely."""
+    """A committed optimizer checkpoint, opened safely."""
 
-    version: Path
-    """The version directory."""
-    metadata: Metadata
-    """DCP's metadata, through the allow-list."""
+    checkpoint: Checkpoint
+    """The checkpoint as shardkit.checkpoint opened it (version, metadata, commit record)."""
     record: dict[str, Any] | None
-    """The validated commit record; None when missing and opted out of."""
+    """The commit record validated as an optimizer header; None when missing and opted out of."""
     format: str
     """``FORMAT`` or ``LEGACY_FORMAT``."""
+
+    @property
+    def version(self) -> Path:
+        """The version directory."""
+        return self.checkpoint.version
 
 
 def parse_key(key: str) -> tuple[str, int, str] | None:
@@ -70,13 +73,20 @@ def parse_key(key: str) -> tuple[str, int, str] | None:
     if not sep or kind not in ("state", "value", "master"):
         return None
     idx, _, name = rest.partition("/")
-    if not idx.isdigit() or len(idx) > 12 or (kind == "master") == bool(name):
+    if not (idx.isascii() and idx.isdigit()) or len(idx) > 12 or (kind == "master") == bool(name):
         return None
     return kind, int(idx), name
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    """Elements of a stored shape. The checkpoint was opened, so a shape without a zero dim
+    is backed by its bytes on disk and its product is small; one with a zero dim is empty
+    whatever its other (untrusted) dims are."""
+    return 0 if 0 in shape else math.prod(shape)
+
+
 def _refuse(key: str, message: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(f"checkpoint item {key!r} {message}")
+    return UnsafeCheckpointError(f"checkpoint item {describe(key)} {message}")
 
 
 def _record_cap(n_items: int) -> int:
@@ -134,7 +144,7 @@ def _check_item(key: str, md: Any, shapes: list[tuple[int, ...]] | None, fmt: st
     if shapes is None:
         return
     shape, want = tuple(md.size), shapes[idx]
-    numel, pnumel = math.prod(shape), math.prod(want)
+    numel, pnumel = _numel(shape), math.prod(want)
     if kind == "master" or (numel == pnumel and shape not in ((), want)):
         if shape != want:
             raise _refuse(
@@ -151,48 +161,6 @@ def _check_item(key: str, md: Any, shapes: list[tuple[int, ...]] | None, fmt: st
         )
 
 
-def _check_storage(metadata: Metadata, version: Path) -> None:
-    """See [Note: Load validation]: chunks backed by distinct bytes of files that exist."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            itemsize = md.properties.dtype.itemsize
-            for c in md.chunks:
-                info = metadata.storage_data[MetadataIndex(key, c.offsets)]
-                nbytes = math.prod(c.sizes) * itemsize
-                if not nbytes <= info.length <= nbytes + _FRAMING:
-                    raise _refuse(
-                        key,
-                        f"declares {nbytes} bytes stored in {info.length}: the sizes do not "
-                        f"match; the checkpoint is damaged or crafted",
-                    )
-                spans.setdefault(info.relative_path, []).append((info.offset, info.length, key))
-        else:
-            info = metadata.storage_data[MetadataIndex(key)]
-            if info.length > _MAX_BYTES_ITEM:
-                raise _refuse(key, f"is a non-tensor item of {info.length} bytes")
-            spans.setdefault(info.relative_path, []).append((info.offset, info.length, key))
-        if isinstance(md, TensorStorageMetadata):
-            covered = sum(math.prod(c.sizes) for c in md.chunks)
-            if covered != math.prod(md.size):
-                raise _refuse(
-                    key, f"has chunks of {covered} elements for {math.prod(md.size)}; crafted"
-                )
-    for rel, items in sorted(spans.items()):
-        f = version / rel
-        size = f.stat().st_size if f.is_file() else -1
-        end = 0
-        for offset, length, key in sorted(items):
-            if offset < end:
-                raise _refuse(key, f"shares bytes of {rel} with another item; crafted")
-            end = offset + length
-        if end > size:
-            raise UnsafeCheckpointError(
-                f"{f} {'is absent' if size < 0 else f'has {size} bytes'} but the metadata needs "
-                f"{end}: the checkpoint is truncated or damaged"
-            )
-
-
 def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
     """See [Note: Load validation]. ``params``: the optimizer's, or None (offline).
 
@@ -201,7 +169,8 @@ def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
         UnsafeCheckpointError: anything only a damaged or crafted checkpoint holds.
     """
     _check_shapes(opened.record, params)
-    items = opened.metadata.state_dict_metadata
+    metadata = opened.checkpoint.metadata
+    items = metadata.state_dict_metadata
     if params is not None:
         shapes: list[tuple[int, ...]] | None = [tuple(p.shape) for p in params]
     elif opened.record is not None:
@@ -213,6 +182,10 @@ def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
         if key not in items:
             raise _refuse(key, "is missing; the checkpoint is damaged")
     for key, md in items.items():
+        if isinstance(md, BytesStorageMetadata):
+            info = metadata.storage_data[MetadataIndex(key)]
+            if info.length > _MAX_BYTES_ITEM:
+                raise _refuse(key, f"is a non-tensor item of {info.length} bytes")
         if key in records:
             if opened.format == FORMAT:
                 _check_record(key, md, _record_cap(len(items)))
@@ -220,7 +193,6 @@ def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
                 raise _refuse(key, "is not a pickled record")
             continue
         _check_item(key, md, shapes, opened.format)
-    _check_storage(opened.metadata, opened.version)
 
 
 def request(opened: Opened, wanted: set[int] | None) -> dict[str, Any]:
@@ -229,7 +201,7 @@ def request(opened: Opened, wanted: set[int] | None) -> dict[str, Any]:
     Only after :func:`validate_against`: every size here was checked there.
     """
     out: dict[str, Any] = {}
-    for key, md in opened.metadata.state_dict_metadata.items():
+    for key, md in opened.checkpoint.metadata.state_dict_metadata.items():
         parsed = parse_key(key)
         if parsed is not None and wanted is not None and parsed[1] not in wanted:
             continue

@@ -312,8 +312,11 @@ class _StateDictMixin:
         self._push_hyperparams()
         self._state_version += 1
 
-    def _checkpoint_indices(self) -> list[int]:
-        """Global indices whose saved state this rank reads in ``load_sharded``."""
+    def checkpoint_indices(self) -> list[int]:
+        """Global indices (see [Note: Global parameter index]) whose saved state this rank
+        reads when ``load_sharded`` loads a sharded checkpoint: the params it owns, or under a
+        ``ShardOwner`` the indices the owner names (every param, for ZeRO-2's element ranges:
+        see [Note: DCP sharded checkpoints]). Local. Part of :class:`ShardedCheckpointable`."""
         owner = self._owner()
         if owner is not None:
             return owner.checkpoint_indices()

@@ -1,7 +1,8 @@
 """Checkpoint mutations and the load oracle shared by the fuzz tests and the atheris target.
 
-``python _fuzzkit.py OUT`` writes the base checkpoint (world 1, Gloo): ``OUT/ckpt`` and
-``OUT/expected.pt`` (the consolidated state it must load as).
+The base checkpoint (:func:`make_checkpoint`) is what a training job saves with
+``shardkit.checkpoint.save``: an MLP's and its Adam's state from ``get_state_dict`` (tensors,
+and non-tensor items: param groups, a step count, a config), a few MiB.
 
 The oracle (:func:`check_load`): a load of a mutated checkpoint either returns exactly the
 saved state or raises ``ValueError`` / ``FileNotFoundError`` with a message; it never runs code
@@ -17,25 +18,39 @@ these are the process's own counters.
 
 from __future__ import annotations
 
-import os
+import json
 import pickle
 import resource
 import shutil
-import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _ckpt_testkit import (
+    Evil,
+    assert_same,
+    billion_laughs,
+    laughs_pickle,
+    model_and_optim,
+    state_of,
+    torch_save_with_pickle,
+    train,
+)
 
 __all__ = [
     "MUTATORS",
     "Violation",
     "apply",
+    "base_state",
     "check_load",
+    "destination",
+    "forged",
     "make_checkpoint",
+    "proc_status",
     "state_bytes",
-    "train",
+    "version_of",
 ]
 
 _VIRTUAL_SLACK = 32 << 20
@@ -47,71 +62,47 @@ class Violation(AssertionError):
     """The load broke a promise: wrong state, code ran, a bad error, or too much memory."""
 
 
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {self.marker}",))
+_SIZES = (256, 1024, 1)
 
 
-def _build() -> tuple[torch.nn.Module, Any]:
-    from shardkit.optim import ShardedOptimizer
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1)
-    )
-    ps = list(model.parameters())
-    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}]
-    return model, ShardedOptimizer(groups, optim=torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
+def base_state() -> dict[str, Any]:
+    """The state the base checkpoint holds (seeded: the same in every process)."""
+    model, opt = model_and_optim(_SIZES)
+    train(model, opt, 2)
+    state = state_of(model, opt)
+    state["step"] = 2
+    return state
 
 
-def train(model: torch.nn.Module, opt: Any) -> None:
-    """The two steps every fuzzed checkpoint is saved after."""
-    for s in range(2):
-        g = torch.Generator().manual_seed(s)
-        opt.zero_grad()
-        model(torch.randn(8, 256, generator=g)).square().mean().backward()
-        opt.step()
+def make_checkpoint(out: Path, group: Any = None) -> tuple[Path, dict[str, Any]]:
+    """Saves the base checkpoint at ``out/ckpt`` (with a process group: over ``group``, e.g. one
+    of this rank alone); returns its path and the saved state."""
+    from shardkit.checkpoint import save
+
+    state = base_state()
+    save(state, out / "ckpt", process_group=group, record={"step": 2})
+    return out / "ckpt", state
 
 
-def _main(out: Path) -> None:
-    import torch.distributed as dist
-    from shardkit.optim import save_sharded
-
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(out / "store"), 1), rank=0, world_size=1
-    )
-    model, opt = _build()
-    train(model, opt)
-    save_sharded(opt, out / "ckpt")
-    torch.save(opt.state_dict(all_ranks=True), out / "expected.pt")
-    dist.destroy_process_group()
+def destination() -> dict[str, Any]:
+    """A fresh state dict of the same job to load into (other values, same structure)."""
+    model, opt = model_and_optim(_SIZES, seed=1)
+    return state_of(model, opt)
 
 
-def make_checkpoint(out: Path) -> tuple[Path, dict[str, Any]]:
-    """Writes the base checkpoint in a subprocess; returns its path and the expected state."""
-    import subprocess
-
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
-    if res.returncode != 0:
-        raise RuntimeError(f"writing the fuzz checkpoint failed:\n{res.stderr[-3000:]}")
-    return out / "ckpt", torch.load(out / "expected.pt", weights_only=True)
-
-
-def state_bytes(expected: dict[str, Any]) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for st in expected["state"].values()
-        for v in st.values()
-        if isinstance(v, torch.Tensor)
-    )
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of every tensor of a (nested) state dict."""
+    total = 0
+    stack: list[Any] = [state]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
 
 
 def version_of(path: Path) -> Path:
@@ -159,7 +150,7 @@ def _swap(path: Path, version: Path, r: list[int], marker: str) -> None:
 
 def _edit_metadata(path: Path, version: Path, r: list[int], marker: str) -> None:
     """Edits one field of the (trusted here) unpickled metadata and pickles it back."""
-    from shardkit.optim._unpickle import restricted_loads
+    from shardkit.checkpoint._unpickle import restricted_loads
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     meta = version / ".metadata"
@@ -170,7 +161,7 @@ def _edit_metadata(path: Path, version: Path, r: list[int], marker: str) -> None
     infos = sorted(md.storage_data.items(), key=lambda kv: str(kv[0]))
     index, info = _pick(infos, r[1])
     huge = [1 << 20, 1 << 31, 1 << 40, 1 << 62][r[3] % 4]
-    what = r[2] % 11
+    what = r[2] % 13
     if what == 0 and hasattr(item, "size"):
         item.size = torch.Size([huge, *list(item.size)[1:]])
     elif what == 1 and hasattr(item, "chunks") and item.chunks:
@@ -191,7 +182,11 @@ def _edit_metadata(path: Path, version: Path, r: list[int], marker: str) -> None
     elif what == 8:
         md.state_dict_metadata[key] = BytesStorageMetadata()
     elif what == 9:
-        md.planner_data = {"x": _Evil(marker)}
+        md.planner_data = {"x": Evil(marker)}
+    elif what == 10:  # shared references nested 60 deep: 2**60 leaves if expanded
+        md.planner_data = {"x": billion_laughs(60)}
+    elif what == 11:
+        md.state_dict_metadata[f"laughs{r[3]}"] = billion_laughs(40)  # type: ignore[assignment]
     else:
         md.storage_data[index] = infos[(r[1] + 1) % len(infos)][1]  # two items, same bytes
     meta.write_bytes(pickle.dumps(md))
@@ -199,18 +194,64 @@ def _edit_metadata(path: Path, version: Path, r: list[int], marker: str) -> None
 
 def _edit_record(path: Path, version: Path, r: list[int], marker: str) -> None:
     """Edits one field of the commit record (JSON)."""
-    import json
+    rec = version / "SHARDKIT_COMMIT"
+    h = json.loads(rec.read_text())
+    field = _pick(["layout", "token", "world_size", "storage_checksums", "step"], r[0])
+    value = _pick(
+        [None, -1, 1 << 62, "shardkit.checkpoint/2", [[1 << 40]], {"a": 1}, [], "x" * 32, 3.5,
+         [["model.0.weight", [0, 0], 1]], [["x", None, 1 << 40]]],
+        r[1],
+    )  # fmt: skip
+    if field == "storage_checksums" and r[2] % 2 and isinstance(h.get(field), list) and h[field]:
+        h[field][r[1] % len(h[field])][2] ^= 1  # one CRC off by a bit
+    else:
+        h[field] = value
+    rec.write_text(json.dumps(h))
+
+
+def _fix_checksums(path: Path, version: Path, r: list[int], marker: str) -> None:
+    """What an attacker with write access does after editing payloads: recompute every stored
+    chunk's CRC-32 in the commit record, so the checks behind the checksums are reached."""
+    from shardkit.checkpoint._unpickle import restricted_loads
 
     rec = version / "SHARDKIT_COMMIT"
     h = json.loads(rec.read_text())
-    field = _pick(
-        ["format", "num_params", "param_shapes", "world_size", "token", "checksums"], r[0]
-    )
-    h[field] = _pick(
-        [None, -1, 1 << 62, "shardkit.optim.sharded/1", [[1 << 40]], {"a": 1}, [], "x" * 32, 3.5],
-        r[1],
-    )
+    md = restricted_loads((version / ".metadata").read_bytes(), "m")
+    sums = []
+    for index, info in md.storage_data.items():
+        data = (version / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        offsets = None if index.offset is None else list(index.offset)
+        sums.append([index.fqn, offsets, zlib.crc32(data)])
+    h["storage_checksums"] = sums
     rec.write_text(json.dumps(h))
+
+
+def _replace_object_item(path: Path, version: Path, r: list[int], marker: str) -> None:
+    """Replaces a non-tensor item's bytes in place with a hostile torch.save blob (a
+    __reduce__ payload, or a dict keyed by a billion-laughs tuple), then fixes the CRC-32s."""
+    import io
+
+    from shardkit.checkpoint._unpickle import restricted_loads
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    meta = version / ".metadata"
+    md = restricted_loads(meta.read_bytes(), "m")
+    keys = sorted(
+        k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+    )
+    info = md.storage_data[MetadataIndex(_pick(keys, r[0]))]
+    buf = io.BytesIO()
+    torch.save(Evil(marker), buf)
+    blob = (
+        buf.getvalue() if r[1] % 2 else torch_save_with_pickle(laughs_pickle(60, as_dict_key=True))
+    )
+    f = version / info.relative_path
+    with open(f, "ab") as out:  # the new blob at the end of the file, the entry pointing at it
+        info.offset = out.tell()
+        out.write(blob)
+    info.length = len(blob)
+    meta.write_bytes(pickle.dumps(md))
+    _fix_checksums(path, version, r, marker)
 
 
 def _empty_record(path: Path, version: Path, r: list[int], marker: str) -> None:
@@ -220,7 +261,18 @@ def _empty_record(path: Path, version: Path, r: list[int], marker: str) -> None:
 
 MUTATORS: list[Callable[[Path, Path, list[int], str], None]] = [
     _flip, _truncate, _delete, _swap, _edit_metadata, _edit_record, _empty_record,
+    _fix_checksums, _replace_object_item,
 ]  # fmt: skip
+
+
+_FORGING = ("_fix_checksums", "_replace_object_item")
+
+
+def forged(mutations: list[tuple[int, list[int]]]) -> bool:
+    """Whether a mutation recomputes the CRC-32s (an attacker with write access): a load may then
+    succeed with other values than the saved ones, the state its writer chose (docs/security.md:
+    CRC-32 detects damage, not tampering)."""
+    return any(MUTATORS[w % len(MUTATORS)].__name__ in _FORGING for w, _ in mutations)
 
 
 def apply(src: Path, dst: Path, mutations: list[tuple[int, list[int]]], marker: str) -> Path:
@@ -234,7 +286,8 @@ def apply(src: Path, dst: Path, mutations: list[tuple[int, list[int]]], marker: 
         r = [*list(r), 0, 0, 0, 0][:4]
         try:
             MUTATORS[which % len(MUTATORS)](dst, version, r, marker)
-        except (OSError, pickle.UnpicklingError, ValueError, EOFError, ZeroDivisionError, KeyError):
+        except (OSError, pickle.UnpicklingError, ValueError, EOFError, ZeroDivisionError,
+                KeyError, IndexError, TypeError, AttributeError):  # fmt: skip
             pass  # an earlier mutation removed or garbled what this one edits
     return dst
 
@@ -242,7 +295,8 @@ def apply(src: Path, dst: Path, mutations: list[tuple[int, list[int]]], marker: 
 # ---------------------------------------------------------------- the oracle
 
 
-def _status(key: str) -> int:
+def proc_status(key: str) -> int:
+    """A byte count of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key):
@@ -255,20 +309,21 @@ def check_load(
     expected: dict[str, Any],
     marker: Path,
     nbytes: int,
-    **opts: Any,
+    *,
+    exact: bool = True,
 ) -> str:
     """Runs ``load`` under the oracle (see the module docstring); returns "ok" or the error.
+    ``exact=False`` (a forged checkpoint, see :func:`forged`): a load that succeeds must give
+    the saved structure, shapes and dtypes, not necessarily the saved values.
 
     Raises:
         Violation: the load broke a promise.
     """
-    from _optim_testkit import assert_state_equal
-
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set
-    base = _status("VmRSS")
-    limit = _status("VmSize") + _RSS_FACTOR * nbytes + _VIRTUAL_SLACK
+    base = proc_status("VmRSS")
+    limit = proc_status("VmSize") + _RSS_FACTOR * nbytes + _VIRTUAL_SLACK
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
         got = load()
@@ -279,7 +334,7 @@ def check_load(
         got, outcome = None, f"UNEXPECTED {type(e).__name__}: {e}"
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    peak = _status("VmHWM") - base
+    peak = proc_status("VmHWM") - base
     if marker.exists():
         raise Violation(f"the checkpoint ran code ({marker} exists)")
     if outcome.startswith("UNEXPECTED") or "can't allocate" in outcome or "MemoryError" in outcome:
@@ -290,11 +345,7 @@ def check_load(
         raise Violation(f"the load grew the resident set by {peak} bytes ({outcome[:200]})")
     if got is not None:
         try:
-            assert_state_equal(expected, got)
+            assert_same(expected, got, values=exact)
         except AssertionError as e:
             raise Violation(f"loaded state differs from the saved one: {e}") from None
     return outcome
-
-
-if __name__ == "__main__":
-    _main(Path(sys.argv[1]))

@@ -16,12 +16,17 @@ of pickle's opcodes written here, in Python, that
   here that checks its arguments (``torch.Size`` of non-negative ints, a memory-format enum of
   a known value, ...), and ``BUILD`` of a metadata dataclass only sets its declared fields;
 - keeps the memo in a dict and reads from a bytes buffer, so a crafted length or memo index
-  cannot make it allocate more than the size of the file.
+  cannot make it allocate more than the size of the file;
+- does work linear in the file (see [Note: Bounded work on untrusted input]): every opcode
+  builds at most one object, dict keys and set items must be flat (str, bytes, numbers, None,
+  dtypes, layouts, a checked ``torch.Size`` or ``MetadataIndex``: nothing whose hash or
+  equality walks a nested structure), ``BUILD`` runs once per object, and error messages
+  describe what they quote with :func:`describe`, never with ``repr``.
 
-The result is then checked field by field (``_safe_reader.validate_metadata``). The table names
+The result is then checked field by field (``_metadata.validate_metadata``). The table names
 one private torch class, ``torch.distributed.checkpoint.filesystem._StorageInfo`` (what DCP's
-file system storage writes per item) and the pickled name of
-``torch.serialization._get_layout`` (never called); ``tests/test_checkpoint_safety.py::
+file system storage writes per item; see ``_torch_compat.py``) and the pickled name of
+``torch.serialization._get_layout`` (never called); ``tests/test_safe_reader.py::
 test_metadata_pin`` pins that real DCP metadata reads back equal through this path.
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import enum
+import gc
 import pathlib
 import struct
 from collections.abc import Callable
@@ -38,40 +44,41 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.filesystem as _dcp_fs
 import torch.distributed.checkpoint.metadata as _dcp_md
+from shardkit.checkpoint._describe import describe
+from shardkit.checkpoint._errors import UnsafeCheckpointError
+from shardkit.checkpoint._torch_compat import MEM_FORMAT, STORAGE_INFO
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__: list[str] = []
+__all__ = ["DATACLASSES", "UnsafePickleError", "restricted_loads"]
 
 
-class UnsafePickleError(ValueError):
-    """A pickle holds something outside the allow-list, or is malformed."""
+class UnsafePickleError(UnsafeCheckpointError):
+    """A pickle holds something outside the allow-list, is malformed, or exceeds the bounds."""
 
 
 def _dataclasses() -> dict[tuple[str, str], type]:
     out: dict[tuple[str, str], type] = {}
-    for module, names in (
-        (
-            _dcp_md,
-            (
-                "Metadata",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "StorageMeta",
-                "MetadataIndex",
-            ),
-        ),
-        (_dcp_fs, ("_StorageInfo",)),
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
     ):
-        for name in names:
-            cls = getattr(module, name, None)
-            if isinstance(cls, type) and dataclasses.is_dataclass(cls):
-                out[(module.__name__, name)] = cls
+        cls = getattr(_dcp_md, name, None)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            out[(_dcp_md.__name__, name)] = cls
+    if STORAGE_INFO is not None:
+        out[(_dcp_fs.__name__, "_StorageInfo")] = STORAGE_INFO
     return out
 
 
-_DATACLASSES = _dataclasses()
-_MEM_FORMAT: type[enum.Enum] | None = getattr(_dcp_md, "_MEM_FORMAT_ENCODING", None)
+DATACLASSES = _dataclasses()
+"""``(module, name) -> class`` of every DCP metadata dataclass the unpickler may build."""
+_MEM_FORMAT: type[enum.Enum] | None = MEM_FORMAT
+_FLAT_KEYS = (str, bytes, int, float, bool, type(None), torch.dtype, torch.layout)
 
 
 def _is_index(v: object) -> bool:
@@ -79,37 +86,35 @@ def _is_index(v: object) -> bool:
 
 
 def _size(*args: Any) -> torch.Size:
-    if len(args) > 1 or (args and not isinstance(args[0], (tuple, list))):
-        raise UnsafePickleError(f"torch.Size expects one tuple of ints, got {args!r:.100}")
+    if len(args) > 1 or (args and type(args[0]) not in (tuple, list)):
+        raise UnsafePickleError(f"torch.Size expects one tuple of ints, got {describe(args)}")
     dims = tuple(args[0]) if args else ()
     if not all(_is_index(d) for d in dims):
-        raise UnsafePickleError(f"torch.Size dims must be non-negative ints, got {dims!r:.100}")
+        raise UnsafePickleError(f"torch.Size dims must be non-negative ints, got {describe(dims)}")
     return torch.Size(dims)
 
 
 def _layout(*args: Any) -> torch.layout:
     name = args[0] if len(args) == 1 else None
-    value = (
-        getattr(torch, name[6:], None) if isinstance(name, str) and name[:6] == "torch." else None
-    )
+    value = vars(torch).get(name[6:]) if type(name) is str and name[:6] == "torch." else None
     if not isinstance(value, torch.layout):
-        raise UnsafePickleError(f"unknown torch layout {args!r:.100}")
+        raise UnsafePickleError(f"unknown torch layout {describe(args)}")
     return value
 
 
 def _mem_format(*args: Any) -> enum.Enum:
     if _MEM_FORMAT is None or len(args) != 1 or type(args[0]) is not int:
-        raise UnsafePickleError(f"bad memory format encoding {args!r:.100}")
+        raise UnsafePickleError(f"bad memory format encoding {describe(args)}")
     try:
         return _MEM_FORMAT(args[0])
     except ValueError:
-        raise UnsafePickleError(f"unknown memory format encoding {args[0]!r}") from None
+        raise UnsafePickleError(f"unknown memory format encoding {describe(args[0])}") from None
 
 
 def _path(kind: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
     def make(*args: Any) -> pathlib.PurePath:
         if not all(type(a) is str for a in args):
-            raise UnsafePickleError(f"a path's parts must be strs, got {args!r:.100}")
+            raise UnsafePickleError(f"a path's parts must be strs, got {describe(args)}")
         return kind(*args)
 
     return make
@@ -140,26 +145,31 @@ def _resolve(module: str, name: str) -> Any:
     key = (module, name)
     if key in _CALLABLES:
         return _Global(f"{module}.{name}", call=_CALLABLES[key])
-    if key in _DATACLASSES:
-        return _Global(f"{module}.{name}", cls=_DATACLASSES[key])
-    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-        return getattr(torch, name)
+    if key in DATACLASSES:
+        return _Global(f"{module}.{name}", cls=DATACLASSES[key])
+    # vars(), not getattr(): torch's module __getattr__ imports submodules on demand
+    value = vars(torch).get(name) if module == "torch" else None
+    if isinstance(value, (torch.dtype, torch.layout)):
+        return value
     raise UnsafePickleError(
-        f"global {module}.{name} is not allowed (only DCP's metadata classes, torch dtypes, "
-        f"layouts and Size, and plain containers and scalars may appear)"
+        f"global {describe(f'{module}.{name}')} is not allowed (only DCP's metadata "
+        f"classes, torch dtypes, layouts and Size, and plain containers and scalars may appear)"
     )
 
 
-def _build(obj: Any, state: Any) -> None:
+def _build(m: _Machine, obj: Any, state: Any) -> None:
     cls = type(obj)
-    if cls not in _DATACLASSES.values():
+    if cls not in DATACLASSES.values():
         raise UnsafePickleError(f"BUILD on a {cls.__name__} is not allowed")
+    if id(obj) in m.built:  # a second BUILD could change a dict key after it was hashed
+        raise UnsafePickleError(f"BUILD twice on the same {cls.__name__}")
+    m.built.add(id(obj))
     slots = None
-    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+    if type(state) is tuple and len(state) == 2 and type(state[1]) is dict:
         state, slots = state
     if cls.__name__ == "TensorProperties":
         if not (
-            isinstance(state, tuple)
+            type(state) is tuple
             and len(state) == 5
             and isinstance(state[0], torch.dtype)
             and isinstance(state[1], torch.layout)
@@ -168,18 +178,53 @@ def _build(obj: Any, state: Any) -> None:
             and isinstance(state[3], _MEM_FORMAT)
             and type(state[4]) is bool
         ):
-            raise UnsafePickleError(f"bad TensorProperties state {state!r:.200}")
+            raise UnsafePickleError(f"bad TensorProperties state {describe(state)}")
         obj.__setstate__(state)
         return
     fields = {f.name for f in dataclasses.fields(obj)}
     for part in (state, slots):
         if part is None:
             continue
-        if not isinstance(part, dict) or not all(k in fields for k in part):
+        if type(part) is not dict:
+            raise UnsafePickleError(f"bad state for {cls.__name__}: {describe(part, 4)}")
+        unknown = [k for k in part if not (type(k) is str and k in fields)]
+        if unknown:
+            names = ", ".join(describe(k) for k in unknown[:3])
             raise UnsafePickleError(
-                f"bad state for {cls.__name__}: {part!r:.200} (fields are {sorted(fields)})"
+                f"bad state for {cls.__name__}: unknown field(s) {names} (fields are "
+                f"{sorted(fields)})"
             )
         obj.__dict__.update(part)
+    if cls is MetadataIndex:
+        _check_index(obj)
+
+
+def _check_index(ix: Any) -> None:
+    """A ``MetadataIndex`` hashes and compares as ``(fqn, offset)``: both must be flat."""
+    fqn, offset, index = (ix.__dict__.get(n) for n in ("fqn", "offset", "index"))
+    if (
+        type(fqn) is not str
+        or not (
+            offset is None or (type(offset) is torch.Size and all(_is_index(d) for d in offset))
+        )
+        or not (index is None or type(index) is int)
+    ):
+        raise UnsafePickleError(
+            f"bad MetadataIndex: fqn {describe(fqn)}, offset {describe(offset)}, "
+            f"index {describe(index)}"
+        )
+
+
+def _flat_key(k: Any, op: str) -> Any:
+    """``k`` if hashing and comparing it is bounded: see [Note: Bounded work on untrusted input]."""
+    if type(k) in _FLAT_KEYS or type(k) is torch.Size:  # Size: non-negative ints (_size)
+        return k
+    if type(k) is MetadataIndex and "fqn" in k.__dict__:  # checked by BUILD (_check_index)
+        return k
+    raise UnsafePickleError(
+        f"{op}: a key of type {type(k).__name__} is not allowed (dict keys and set items must "
+        f"be strs, bytes, numbers, None, dtypes, torch.Size or DCP MetadataIndex)"
+    )
 
 
 _MAX_LINE = 1 << 16
@@ -187,11 +232,13 @@ _MAX_LINE = 1 << 16
 
 class _Machine:
     def __init__(self, data: bytes) -> None:
-        self.data = memoryview(data)
+        self.raw = bytes(data)
+        self.data = memoryview(self.raw)
         self.pos = 0
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
+        self.built: set[int] = set()
 
     def read(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
@@ -203,10 +250,12 @@ class _Machine:
         return out
 
     def line(self) -> bytes:
-        end = bytes(self.data[self.pos : self.pos + _MAX_LINE]).find(b"\n")
+        # find() within the bounds: a copy of the next 64 KiB per opcode would make a file of
+        # short text opcodes cost quadratic time
+        end = self.raw.find(b"\n", self.pos, self.pos + _MAX_LINE)
         if end < 0:
             raise UnsafePickleError(f"unterminated line at offset {self.pos}")
-        return self.read(end + 1)[:-1]
+        return self.read(end - self.pos + 1)[:-1]
 
     def uint(self, n: int) -> int:
         return int.from_bytes(self.read(n), "little")
@@ -230,12 +279,17 @@ class _Machine:
         return self.stack[-1]
 
     def run(self) -> Any:
+        raw, size, ops = self.raw, len(self.raw), _OPS_BY_CODE
         while True:
             at = self.pos
-            op = self.read(1)
-            handler = _OPS.get(op)
+            if at >= size:
+                raise UnsafePickleError(f"truncated pickle: no STOP before offset {at}")
+            self.pos = at + 1
+            handler = ops.get(raw[at])  # an int: no bytes object per opcode
             if handler is None:
-                raise UnsafePickleError(f"pickle opcode {op!r} at offset {at} is not allowed")
+                raise UnsafePickleError(
+                    f"pickle opcode {bytes([raw[at]])!r} at offset {at} is not allowed"
+                )
             if handler(self) is True:
                 if not self.stack:
                     raise UnsafePickleError("malformed pickle: STOP with an empty stack")
@@ -254,23 +308,27 @@ def _op_stack_global(m: _Machine) -> None:
     m.stack.append(_resolve(module, name))
 
 
+def _name(v: Any) -> str:
+    return v.name if isinstance(v, _Global) else type(v).__name__
+
+
 def _op_reduce(m: _Machine) -> None:
     args, fn = m.pop(), m.pop()
     if not isinstance(fn, _Global) or fn.call is None or type(args) is not tuple:
-        raise UnsafePickleError(f"REDUCE of {fn!r:.100} is not allowed")
+        raise UnsafePickleError(f"REDUCE of {_name(fn)} is not allowed")
     m.stack.append(fn.call(*args))
 
 
 def _op_newobj(m: _Machine) -> None:
     args, cls = m.pop(), m.pop()
-    if not isinstance(cls, _Global) or cls.cls is None or args != ():
-        raise UnsafePickleError(f"NEWOBJ of {cls!r:.100} with {args!r:.100} is not allowed")
+    if not isinstance(cls, _Global) or cls.cls is None or type(args) is not tuple or args:
+        raise UnsafePickleError(f"NEWOBJ of {_name(cls)} with {describe(args)} is not allowed")
     m.stack.append(object.__new__(cls.cls))
 
 
 def _op_build(m: _Machine) -> None:
     state = m.pop()
-    _build(m.top(tuple(_DATACLASSES.values()), "BUILD"), state)
+    _build(m, m.top(tuple(DATACLASSES.values()), "BUILD"), state)
 
 
 def _op_setitems(m: _Machine) -> None:
@@ -279,19 +337,19 @@ def _op_setitems(m: _Machine) -> None:
     if len(items) % 2:
         raise UnsafePickleError("SETITEMS with an odd number of items")
     for i in range(0, len(items), 2):
-        d[items[i]] = items[i + 1]
+        d[_flat_key(items[i], "SETITEMS")] = items[i + 1]
 
 
 def _op_setitem(m: _Machine) -> None:
     v, k = m.pop(), m.pop()
-    m.top(dict, "SETITEM")[k] = v
+    m.top(dict, "SETITEM")[_flat_key(k, "SETITEM")] = v
 
 
 def _op_dict(m: _Machine) -> None:
     items = m.pop_mark()
     if len(items) % 2:
         raise UnsafePickleError("DICT with an odd number of items")
-    m.stack.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+    m.stack.append({_flat_key(items[i], "DICT"): items[i + 1] for i in range(0, len(items), 2)})
 
 
 def _push(value: Callable[[_Machine], Any]) -> Callable[[_Machine], None]:
@@ -365,7 +423,11 @@ def _appends(m: _Machine) -> None:
 
 def _additems(m: _Machine) -> None:
     items = m.pop_mark()
-    m.top(set, "ADDITEMS").update(items)
+    m.top(set, "ADDITEMS").update(_flat_key(k, "ADDITEMS") for k in items)
+
+
+def _frozenset(m: _Machine) -> frozenset[Any]:
+    return frozenset(_flat_key(k, "FROZENSET") for k in m.pop_mark())
 
 
 def _tuple_n(n: int) -> Callable[[_Machine], None]:
@@ -467,7 +529,7 @@ _OPS: dict[bytes, Callable[[_Machine], Any]] = {
     b"u": _op_setitems,
     b"\x8f": _push(lambda m: set()),
     b"\x90": _additems,
-    b"\x91": _push(lambda m: frozenset(m.pop_mark())),
+    b"\x91": _push(_frozenset),
     b"c": _op_global,
     b"\x93": _op_stack_global,
     b"R": _op_reduce,
@@ -494,10 +556,25 @@ def restricted_loads(data: bytes, what: str) -> Any:
         UnsafePickleError: a global outside the allow-list, a disallowed opcode, or a
             malformed pickle (raised before any disallowed object is built).
     """
+    # The cyclic garbage collector would traverse everything built so far each time enough
+    # containers are allocated, doubling the cost of a file of many small containers: it is
+    # paused while the machine runs (what it builds stays reachable until it returns).
+    paused = gc.isenabled()
+    gc.disable()
     try:
         return _Machine(data).run()
     except UnsafePickleError as e:
         raise UnsafePickleError(f"{what}: {e}") from None
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError) as e:
-        # e.g. an unhashable dict key, a dataclass field of the wrong type
-        raise UnsafePickleError(f"{what}: malformed pickle ({type(e).__name__}: {e})") from None
+        # e.g. a constructor's own check. Only a plain-text message is quoted: a KeyError's
+        # str() is the repr() of its key (see [Note: Bounded work on untrusted input]).
+        text = e.args[0][:200] if len(e.args) == 1 and type(e.args[0]) is str else ""
+        raise UnsafePickleError(
+            f"{what}: malformed pickle ({type(e).__name__}{': ' if text else ''}{text})"
+        ) from None
+    finally:
+        if paused:
+            gc.enable()
+
+
+_OPS_BY_CODE: dict[int, Callable[[_Machine], Any]] = {code[0]: op for code, op in _OPS.items()}
