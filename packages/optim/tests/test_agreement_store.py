@@ -200,6 +200,22 @@ def test_the_protocol_on_a_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
     dist.barrier()
 
 
+@world(1)
+def test_a_store_failure_names_the_call_and_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    def lost(self: _Channel, values: tuple[int, ...], timeout: timedelta) -> Any:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    monkeypatch.setattr(_Channel, "exchange", lost)
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup)
+    with pytest.raises(
+        RuntimeError,
+        match=r"called ShardedOptimizer\.step\(\), but its call agreement lost the c10d store "
+        r"\(DistNetworkError: Connection reset by peer\)",
+    ):
+        agree_call(_CALLS[0], group, timedelta(seconds=1))
+
+
 def test_records_round_trip() -> None:
     from shardkit.optim._exchange import _decode, _encode_gave_up, _encode_outcome
 

@@ -276,6 +276,14 @@ DEFAULT_TIMEOUT = timedelta(seconds=30)
 """``collective_timeout``'s default. See [Note: Call agreement]."""
 
 
+class _NeverRaised(Exception):
+    """Stands in for ``torch.distributed.DistError`` where torch has none."""
+
+
+_StoreError: type[Exception] = getattr(dist, "DistError", _NeverRaised)
+"""What the c10d store raises when it fails (its wait timeouts are caught in ``_exchange``)."""
+
+
 def agree_call(
     call: str,
     group: dist.ProcessGroup,
@@ -305,13 +313,21 @@ def agree_call(
         RuntimeError: ranks are in different entry points (on every rank, naming both), or
             some rank did not reach this call within ``timeout`` (on the ranks that waited,
             naming the call and the missing ranks; on a rank that comes later, at once, naming
-            the rank that gave up and its call).
+            the rank that gave up and its call), or the c10d store failed.
     """
     code = _code(call)
     if code not in _NAMES:
         raise ValueError(f"{call!r} is not a registered call: register_call() it at import")
     wait = timeout if timeout is not None else DEFAULT_TIMEOUT
-    done = exchange(group, (code, -code, digest, -digest, int(changed), int(flag)), wait)
+    try:
+        done = exchange(group, (code, -code, digest, -digest, int(changed), int(flag)), wait)
+    except _StoreError as e:
+        raise RuntimeError(
+            f"global rank {dist.get_rank()} called {call}, but its call agreement lost the c10d "
+            f"store ({type(e).__name__}: {e}). The process serving the store (torchrun's agent, "
+            f"or rank 0 with init_method env:// or tcp://) has probably ended: the job cannot go "
+            f"on."
+        ) from e
     if done.gave_up is not None:
         if done.late:
             raise _came_late(call, group, done.gave_up)
