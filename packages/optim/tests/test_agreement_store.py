@@ -39,23 +39,39 @@ def _opt(model: nn.Module, timeout: float, group: dist.ProcessGroup | None = Non
     )
 
 
-def _agreement_keys() -> list[str]:
-    return sorted(k for k in default_store().list_keys() if k.startswith("shardkit.optim/"))
+def _channel_keys(group: dist.ProcessGroup) -> list[str]:
+    prefix = f"shardkit.optim/agree/{group.group_name}/"
+    return sorted(k for k in default_store().list_keys() if k.startswith(prefix))
 
 
 @world(2, timeout=90)
-def test_store_keys_do_not_grow_with_the_steps() -> None:
-    """The last exchange's counter and outcome, whatever the number of steps."""
+def test_store_keys_do_not_grow_with_steps_or_failures() -> None:
+    """Between exchanges a channel holds the last exchange's counter and outcome, whatever the
+    number of steps, and an exchange given up leaves nothing once the ranks go on."""
+    group = dist.new_group([0, 1])
     model = _model()
-    opt = _opt(model, 10.0)
+    opt = _opt(model, 1.0, group=group)
     train(model, opt, 3)
     dist.barrier()
-    before = _agreement_keys()
+    assert [k.rsplit("/", 2)[1:] for k in _channel_keys(group)] == [["2", "n"], ["2", "out"]]
     dist.barrier()  # every rank has read them before any rank steps on
     train(model, opt, 40, start=3)
     dist.barrier()
-    after = _agreement_keys()
-    assert len(after) == len(before) <= 2, (before, after)  # the last exchange's count and outcome
+    assert [k.rsplit("/", 2)[1:] for k in _channel_keys(group)] == [["42", "n"], ["42", "out"]]
+    dist.barrier()
+    for _ in range(2):  # two exchanges given up in a row: rank 1 never comes, then comes late
+        if dist.get_rank() == 0:
+            with pytest.raises(RuntimeError, match="did not"):
+                opt.consolidate_state_dict(recipient_rank=0)
+        else:
+            time.sleep(1.5)
+            with pytest.raises(RuntimeError, match="different collective calls"):
+                opt.step()
+        dist.barrier()
+    train(model, opt, 2, start=43)
+    dist.barrier()
+    keys = [k.rsplit("/", 2)[1:] for k in _channel_keys(group)]
+    assert keys == [["46", "n"], ["46", "out"]], keys
 
 
 @world(2, timeout=90)

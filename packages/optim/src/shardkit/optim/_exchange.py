@@ -38,9 +38,9 @@ from (torchrun's TCPStore, a FileStore, ...), where a wait has a real timeout:
   same outcome, or all raise.
 - *Cleanup*: ``k/out`` exists only once the last rank has read every record, so each rank
   deletes its own record right after reading ``k/out``; a rank sets record ``k`` only after it
-  has read ``k/out`` of ``k - 1``, so the last rank of ``k`` deletes ``k-1/n`` and
-  ``k-1/out``. A channel holds a handful of keys whatever the number of steps (two more per
-  exchange that gave up).
+  has read ``k/out`` of every earlier exchange, so the last rank of ``k`` deletes ``k-1/n`` and
+  ``k-1/out``, and those of the exchanges it saw given up (they had no last rank). A channel
+  holds two keys between exchanges, whatever the number of steps or failures.
 - *Waiting*: a TCPStore wait is answered by the server the moment the key exists. It holds the
   client's lock while it waits, so each channel uses its own client (``Store.clone()``) and
   never blocks torch's own users of the store (NCCL's watchdog). FileStore's own wait polls
@@ -146,6 +146,7 @@ class _Channel:
         self.world = dist.get_world_size(group)
         self.seq = 0
         self.lock = threading.Lock()
+        self.given_up: list[int] = []  # exchanges whose keys no last rank dropped
         if self.world == 1:
             return
         base = default_store()
@@ -181,6 +182,7 @@ class _Channel:
             self.store.delete_key(mine)
             decoded = _decode(raw)
             if isinstance(decoded, GaveUp):
+                self.given_up += [k - 1, k]  # it had no last rank to drop ``k - 1``'s keys
                 late = arrived > self.world or self.rank in decoded.missing
                 return Exchanged((), None, decoded, late)
             maxes, by_first = decoded
@@ -201,9 +203,10 @@ class _Channel:
             by_first = {first: tuple(rs) for first, rs in ranks.items()}
         text = _encode_outcome(maxes, by_first)
         self.store.set(f"{k}/out", text)
-        if k > 0:
-            self.store.delete_key(f"{k - 1}/n")
-            self.store.delete_key(f"{k - 1}/out")
+        for old in sorted({k - 1, *self.given_up} - {-1}):
+            self.store.delete_key(f"{old}/n")
+            self.store.delete_key(f"{old}/out")
+        self.given_up.clear()
         return text
 
     def _wait(self, key: str, timeout: timedelta) -> bool:
