@@ -157,7 +157,7 @@ def jobs(request: pytest.FixtureRequest) -> dict[tuple[int, str, str], _Job]:
     wanted: list[tuple[int, str, str]] = []
     for item in request.session.items:
         spec: Any = getattr(item, "callspec", None)
-        if item.module is request.module and spec is not None:
+        if spec is not None and getattr(item, "module", None) is request.module:
             case = (spec.params["world"], spec.params["mode"], spec.params["misuse"])
             if case not in wanted:
                 wanted.append(case)
