@@ -297,6 +297,9 @@ def agree_call(
 
     It runs on the c10d store of the default process group (see [Note: Agreement over the
     store]): no collective of ``group`` is issued, and nothing is left pending when it raises.
+    Only the first agreement on a group that no ShardedOptimizer was built over is also one
+    object all-gather over ``group`` (it names the group's keys in the store), bounded by the
+    group's own timeout only: make that first call where every rank is.
 
     Args:
         call: the entry point, registered with :func:`register_call`.
