@@ -258,7 +258,7 @@ def test_requires_grad_change_on_one_rank_raises_everywhere() -> None:
             _loss(sdp, 1).backward()
             with pytest.raises(RuntimeError, match=r"requires_grad changed .* on rank 1"):
                 opt.step()
-        # the agreements are shardkit-optim's (its side group): no collective of the wrapper
+        # the agreements are shardkit-optim's (on the c10d store): no collective of the wrapper
         # ran, and nothing moved
         assert sdp.comm_stats.calls["all_reduce"] == calls
         assert all(torch.equal(a, b) for a, b in zip(before, sdp.parameters(), strict=True))

@@ -193,7 +193,7 @@ def test_bytes_match_ddp_ring_volume() -> None:
     assert padded - nparams < n * len(sdp._buckets)
     assert stats.bytes["reduce_scatter"] + stats.bytes["all_gather"] == 2 * (n - 1) / n * padded * 4
     # one usage all-reduce per step, one byte per param (DDP with find_unused_parameters=True
-    # all-reduces a usage map too); the per-step agreement is shardkit-optim's, on its side group
+    # all-reduces a usage map too); the per-step agreement is shardkit-optim's, on the c10d store
     nparam_tensors = len(list(m.parameters()))
     assert stats.calls["all_reduce"] == 1
     assert stats.buffer_bytes["all_reduce"] == nparam_tensors

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import uuid
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from shardkit.optim import profiler_range, queue_end_of_backward
+from shardkit.partition import all_gather_objects
+from shardkit.testing import world
 
 
 def test_queue_callback_runs_after_every_hook() -> None:
@@ -74,3 +79,39 @@ def test_profiling_without_the_flag_opens_ranges_and_logs_once(
         r.getMessage() for r in caplog.records if "_is_profiler_enabled is gone" in r.getMessage()
     ]
     assert len(found) == 1, found
+
+
+@world(2, timeout=60)
+def test_default_store_is_shared_by_the_ranks() -> None:
+    """Pins ``torch.distributed.distributed_c10d._get_default_store`` (read by
+    ``default_store()``) and the Store behaviour the call agreement relies on (see [Note:
+    Agreement over the store] in ``shardkit.optim._exchange``)."""
+    from shardkit.optim._torch_compat import default_store
+
+    rank = dist.get_rank()
+    base = default_store()
+    assert isinstance(base, dist.Store)
+    prefix = all_gather_objects(uuid.uuid4().hex if rank == 0 else None, dist.group.WORLD)[0]
+    store = dist.PrefixStore(f"pin/{prefix}/", base)
+    # One store, seen by every rank; multi_get answers in the order asked.
+    store.set(f"hello/{rank}", str(rank))
+    store.wait(["hello/0", "hello/1"], timedelta(seconds=30))
+    assert store.multi_get(["hello/1", "hello/0"]) == [b"1", b"0"]
+    # clone(): another client of the same store.
+    clone = dist.PrefixStore(f"pin/{prefix}/", base.clone())
+    assert clone.get("hello/0") == b"0"
+    # compare_set(key, "", value) on a missing key: the first writer wins, every rank reads the
+    # winner's value; on an existing key it only reads.
+    won = store.compare_set("slot", "", f"r{rank}")
+    assert won in (b"r0", b"r1")
+    assert len(set(all_gather_objects(won, dist.group.WORLD))) == 1
+    assert store.compare_set("slot", "", "late") == won
+    # A wait that times out raises a RuntimeError (DistStoreError) and the client stays usable.
+    with pytest.raises(RuntimeError):
+        clone.wait(["never"], timedelta(milliseconds=200))
+    assert clone.check(["hello/1"]) and not clone.check(["never"])
+    dist.barrier()
+    if rank == 0:
+        store.delete_key("slot")  # (its return value differs between stores: not relied on)
+    dist.barrier()
+    assert not store.check(["slot"])

@@ -261,7 +261,7 @@ def _count_traffic(reduce_to_owner: bool) -> dict[str, list[int]]:
 
     def counting(name: str) -> Any:
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if tensor.is_floating_point():  # not the optimizer's int64 per-step agreement
+            if tensor.is_floating_point():  # the gradients and params only
                 seen[name].append(tensor.numel())
             return originals[name](tensor, *args, **kwargs)
 

@@ -464,8 +464,9 @@ class ShardedDataParallel(nn.Module):
     # the buffer broadcast before a forward, the first gradient of every synchronised backward
     # (which also agrees on how many ``no_sync()`` blocks each rank entered since the last
     # reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()``; the step
-    # agrees through ``ShardedOptimizer.check_step``. One 48-byte all-reduce on a side Gloo
-    # group each.
+    # agrees through ``ShardedOptimizer.check_step``. Each is one exchange on the c10d store
+    # (shardkit-optim's [Note: Agreement over the store]): no collective, nothing left pending
+    # when it raises, so a rank that raised can exit.
     def _agree(self, call: str, digest: int = 0) -> bool:
         opt = self.sharded_optimizers[0]
         same, _, _ = agree_call(call, self.group, opt.collective_timeout, digest=digest)

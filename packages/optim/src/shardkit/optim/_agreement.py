@@ -2,21 +2,31 @@
 
 [Note: Call agreement]
 Every collective entry point of a ShardedOptimizer (``step()``, ``consolidate_state_dict()``,
-``state_dict(all_ranks=True)``, the implicit consolidation of ``state_dict()``) starts with the
-same small agreement: one all-reduce (MAX) of six int64s ``[call, -call, digest, -digest,
-requires_grad changed, sparse gradient]``, where ``call`` names the entry point. It runs on a
-*side* Gloo group over the same ranks (one per process group that spans every rank, created
-with the first optimizer over it; see :func:`side_group` for sub groups), waited on with
-``collective_timeout`` (default 30 s), so that:
+``state_dict(all_ranks=True)``, the implicit consolidation of ``state_dict()``) and of the
+drivers (ShardedDataParallel's backward, ``optimizer_state_dict()``, ...) starts with the same
+small agreement: a reduction (MAX) over the ranks of the optimizer's group of six int64s
+``[call, -call, digest, -digest, requires_grad changed, sparse gradient]``, where ``call``
+names the entry point. It runs on the c10d
+store the process group was built from, never on a process group (see [Note: Agreement over
+the store] in ``_exchange.py``), bounded by ``collective_timeout`` (default 30 s), so that:
 
 - a rank that enters a collective alone (the classic "state_dict() on rank 0 only") raises
-  after the timeout, saying which call the other ranks must make, instead of waiting for the
-  process group's timeout, and its pending agreement can pair only with the other ranks' next
-  agreement (which then raises on them, naming the call), never with a collective of the
-  optimizer's process group (DDP's all-reduces, a barrier): the main group stays usable;
+  after the timeout, naming the call the other ranks must make and the ranks that did not
+  come, and leaves nothing pending: it can exit (torchrun then ends the job) or go on, and the
+  optimizer's process group stays usable. A rank that comes later raises at once, naming the
+  rank that gave up and its call; a rank waiting in a collective of its own (``dist.barrier()``)
+  ends when the process that raised exits (Gloo fails the collective; torchrun stops the job);
 - ranks in *different* entry points (rank 0 in ``state_dict()``, rank 1 in ``step()``) all
-  raise the same error naming both calls, before either moves any tensor;
-- the agreement needs no GPU synchronisation with NCCL (it is a CPU collective).
+  raise the same error naming both calls and which ranks made them, before either moves any
+  tensor;
+- sub groups agree the same way, on their own keys (nothing pairs with their collectives);
+- the agreement needs no GPU synchronisation with NCCL (the store is on the CPU).
+
+Every collective shardkit issues comes after an agreement that every rank passed, so the
+collectives in flight when an agreement raises (ZeRO-2's reduce-scatters and param all-gathers,
+the overlap hook's broadcasts) were issued by every rank and complete: none is left for
+``~ProcessGroupGloo`` to wait on forever. One issued by a rank that then died fails when that
+process ends (Gloo: "Connection closed by peer").
 
 [Note: Per-step agreement]
 Each rank steps only its own shard with its own copy of the hyper-parameters, so a rank whose
@@ -24,13 +34,14 @@ Each rank steps only its own shard with its own copy of the hyper-parameters, so
 (a schedule built from each rank's own loader length is enough). And a decision one rank takes
 alone before a collective (repartition because ``requires_grad`` changed on that rank, an error
 about a sparse gradient) leaves the others waiting in the next collective for the process
-group's timeout. So every ``step()`` starts with one all-reduce (MAX) of four int64s:
-``[digest, -digest, requires_grad changed, sparse gradient seen]``, where ``digest`` is a 62-bit
-hash of every param group's hyper-parameters. Unequal digests (max != -max(-d)) raise on every
-rank with the differing values; a change of ``requires_grad`` on any rank repartitions on every
-rank; a sparse gradient on any rank raises on every rank. With a ``collective_timeout`` the
-all-reduce is waited on with that timeout, so a rank that never reaches ``step()`` makes the
-others raise after it instead of hanging. The cost is one 32-byte collective per step.
+group's timeout. So the call agreement of every ``step()`` (see [Note: Call agreement]) carries
+``digest``, a 62-bit hash of every param group's hyper-parameters, whether ``requires_grad``
+changed on this rank and whether it saw a sparse gradient (or refuses the step). Unequal
+digests (max != -max(-d)) raise on every rank with the differing values; a change of
+``requires_grad`` on any rank repartitions on every rank; a sparse gradient on any rank raises
+on every rank. A rank that never reaches ``step()`` makes the others raise after
+``collective_timeout`` instead of hanging. The cost is one call agreement per step (a few store
+round trips; figures in the README).
 
 [Note: Param order fingerprint]
 The construction check (``check_consistent``) compares shapes, dtypes and trainability in
@@ -45,18 +56,16 @@ broadcast) are not an ordering error: they are logged once.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
-from shardkit.optim._dist import _comm_device
+from shardkit.optim._exchange import GaveUp, exchange
 from shardkit.optim._state import _hyperparams
 from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
@@ -281,51 +290,13 @@ _CALLS = (
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 """``collective_timeout``'s default. See [Note: Call agreement]."""
 
-_SIDE_GROUPS: dict[int, tuple[weakref.ref[dist.ProcessGroup], dist.ProcessGroup]] = {}
+
+class _NeverRaised(Exception):
+    """Stands in for ``torch.distributed.DistError`` where torch has none."""
 
 
-def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group the call agreement runs on: a Gloo group over ``group``'s ranks, created once
-    per process group by every rank at the same point (the first optimizer built over it).
-
-    ``torch.distributed.new_group`` must be called by every rank of the default group (a
-    group made by fewer ranks gets a name derived from each rank's own count of groups, which
-    differs between ranks), so a side group exists only for groups that span every rank; an
-    optimizer over a sub group agrees on ``group`` itself (bounded the same way, but an
-    unanswered agreement can then pair with another collective of ``group``).
-
-    [Note: Side group lifetime]
-    A Gloo group still alive when the interpreter shuts down can abort the process in its
-    destructor ("terminate called without an active exception"), so the cache holds ``group``
-    weakly and an ``atexit`` handler destroys the side groups it created (torch's
-    ``destroy_process_group()`` of the default group destroys them too).
-    """
-    entry = _SIDE_GROUPS.get(id(group))
-    if entry is not None and entry[0]() is group:
-        return entry[1]
-    side = group
-    if dist.get_world_size(group) == dist.get_world_size():
-        made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-        if not isinstance(made, dist.ProcessGroup):  # every rank is a member: never None
-            raise RuntimeError("could not create the agreement group")
-        side = made
-        if not _SIDE_GROUPS:
-            atexit.register(_release_side_groups)
-    _SIDE_GROUPS[id(group)] = (weakref.ref(group), side)
-    return side
-
-
-def _release_side_groups() -> None:
-    """See [Note: Side group lifetime]."""
-    created = [side for ref, side in _SIDE_GROUPS.values() if ref() is not side]
-    _SIDE_GROUPS.clear()
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # destroy_process_group() already destroyed them
-    for side in created:
-        try:
-            dist.destroy_process_group(side)
-        except (RuntimeError, ValueError):  # already destroyed with the default group
-            pass
+_StoreError: type[Exception] = getattr(dist, "DistError", _NeverRaised)
+"""What the c10d store raises when it fails (its wait timeouts are caught in ``_exchange``)."""
 
 
 def agree_call(
@@ -339,9 +310,15 @@ def agree_call(
 ) -> tuple[int, int, int]:
     """The call agreement (see [Note: Call agreement]). Collective over ``group``'s ranks.
 
+    It runs on the c10d store of the default process group (see [Note: Agreement over the
+    store]): no collective of ``group`` is issued, and nothing is left pending when it raises.
+    Only the first agreement on a group that no ShardedOptimizer was built over is also one
+    object all-gather over ``group`` (it names the group's keys in the store), bounded by the
+    group's own timeout only: make that first call where every rank is.
+
     Args:
         call: the entry point, registered with :func:`register_call`.
-        group: the process group whose ranks agree (the agreement runs on its side group).
+        group: the process group whose ranks agree.
         timeout: how long to wait for the other ranks (``None``: 30 s).
         digest: a value (``|digest| < 2**62``) every rank must pass alike, e.g. a hash of the
             hyper-parameters or a count of calls.
@@ -351,50 +328,92 @@ def agree_call(
         ``(digest equal on every rank, any rank changed, any rank flag)`` as ints 0/1.
 
     Raises:
-        RuntimeError: ranks are in different entry points (on every rank, naming both), or the
-            other ranks did not reach this call within ``timeout``.
+        RuntimeError: ranks are in different entry points (on every rank, naming both), or
+            some rank did not reach this call within ``timeout`` (on the ranks that waited,
+            naming the call and the missing ranks; on a rank that comes later, at once, naming
+            the rank that gave up and its call), or the c10d store failed.
     """
     code = _code(call)
     if code not in _NAMES:
         raise ValueError(f"{call!r} is not a registered call: register_call() it at import")
-    side = side_group(group)
-    flags = torch.tensor(
-        [code, -code, digest, -digest, int(changed), int(flag)],
-        dtype=torch.int64,
-        device=_comm_device(side),
-    )
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=side, async_op=True)
     wait = timeout if timeout is not None else DEFAULT_TIMEOUT
     try:
-        if work is not None:
-            work.wait(wait)
-    except RuntimeError as e:
-        ranks = dist.get_process_group_ranks(group)
-        usable = (
-            "The optimizer's process group itself is still usable (this agreement runs on a "
-            "side Gloo group)"
-            if side is not group
-            else "The optimizer's process group (a sub group: the agreement runs on it) may "
-            "now be unusable"
-        )
+        done = exchange(group, (code, -code, digest, -digest, int(changed), int(flag)), wait)
+    except _StoreError as e:
         raise RuntimeError(
-            f"rank {dist.get_rank(group)} called {call} and waited {wait} for the other ranks "
-            f"of the optimizer's group (global ranks {ranks}) to call it too: it is a "
-            f"collective, every rank must call {call} at the same point (e.g. save on every "
-            f"rank, not under `if rank == 0`). {usable}, but the ranks are out of step: the "
-            f"other ranks' next collective ShardedOptimizer call raises too. ({e})"
+            f"global rank {dist.get_rank()} called {call}, but its call agreement lost the c10d "
+            f"store ({type(e).__name__}: {e}). The process serving the store (torchrun's agent, "
+            f"or rank 0 with init_method env:// or tcp://) has probably ended: the job cannot go "
+            f"on."
         ) from e
-    hi, lo, top, low, any_changed, any_flag = (int(v) for v in flags.tolist())
+    if done.gave_up is not None:
+        if done.late:
+            raise _came_late(call, group, done.gave_up)
+        raise _gave_up(call, group, wait, done.gave_up)
+    hi, lo, top, low, any_changed, any_flag = done.maxes
     if hi != -lo:
-        names = sorted({_NAMES.get(hi, "an unknown call"), _NAMES.get(-lo, "an unknown call")})
+        by_call = {
+            _NAMES.get(c, "an unknown call"): _ranks_text(group, rs)
+            for c, rs in (done.by_first or {}).items()
+        }
+        names = sorted(by_call) or sorted({_NAMES.get(hi, "?"), _NAMES.get(-lo, "?")})
+        where = [f"{n} (global rank(s) {by_call[n]})" if n in by_call else n for n in names]
         raise RuntimeError(
-            f"ranks of the group are in different collective calls: some in {names[0]}, "
-            f"others in {names[1]} (this rank: {call}). Every rank must make the same "
-            f"collective calls in the same order; a rank-dependent branch (e.g. `if rank == "
-            f"0: optimizer.state_dict()`, a backward or no_sync() on some ranks only) is the "
+            f"ranks of the group are in different collective calls: some in {where[0]}, "
+            f"others in {', '.join(where[1:])} (this rank: {call}). Every rank must make the "
+            f"same collective calls in the same order; a rank-dependent branch (e.g. `if rank "
+            f"== 0: optimizer.state_dict()`, a backward or no_sync() on some ranks only) is the "
             f"usual cause."
         )
     return int(top == -low), any_changed, any_flag
+
+
+def _ranks_text(group: dist.ProcessGroup, ranks: Sequence[int]) -> str:
+    return str([dist.get_global_rank(group, r) for r in ranks])
+
+
+def _gave_up(call: str, group: dist.ProcessGroup, wait: timedelta, gave_up: GaveUp) -> RuntimeError:
+    """The error of the ranks that waited in ``call`` when some rank did not come."""
+    if gave_up.rank == dist.get_rank(group):
+        head = f"global rank {dist.get_rank()} called {call} and waited {wait}"
+    else:
+        head = (
+            f"global rank {dist.get_rank()} called {call}; global rank "
+            f"{dist.get_global_rank(group, gave_up.rank)} waited "
+            f"{timedelta(seconds=gave_up.waited_s)} in it too and gave up"
+        )
+    return RuntimeError(
+        f"{head} for the other ranks of the optimizer's group (global ranks "
+        f"{dist.get_process_group_ranks(group)}) to call it too, but global rank(s) "
+        f"{_ranks_text(group, gave_up.missing)} did not: it is a collective, every rank must call "
+        f"{call} at the same point (e.g. save on every rank, not under `if rank == 0`). Nothing "
+        f"of it is left pending (the agreement runs on the c10d store): this process can exit, "
+        f"and the optimizer's process group is still usable. A rank that reaches a collective "
+        f"ShardedOptimizer call later raises at once, naming this one; a rank waiting in "
+        f"another collective (e.g. dist.barrier()) ends when this process exits."
+    )
+
+
+def _came_late(call: str, group: dist.ProcessGroup, late: GaveUp) -> RuntimeError:
+    """The error of a rank that reaches ``call`` after another rank gave up waiting for it."""
+    theirs = _NAMES.get(late.values[0], "an unknown call")
+    who = f"global rank {dist.get_global_rank(group, late.rank)}"
+    waited = timedelta(seconds=late.waited_s)
+    if theirs != call:
+        return RuntimeError(
+            f"ranks of the group are in different collective calls: {who} called {theirs} "
+            f"and gave up after waiting {waited} for this rank (global rank {dist.get_rank()}), "
+            f"which calls {call} instead. Every rank must make the same collective calls in "
+            f"the same order; a rank-dependent branch (e.g. `if rank == 0: "
+            f"optimizer.state_dict()`, a backward or no_sync() on some ranks only) is the usual "
+            f"cause."
+        )
+    return RuntimeError(
+        f"{who} called {call} and gave up after waiting {waited} for this rank (global rank "
+        f"{dist.get_rank()}), which reached it only now. Every rank must reach a collective "
+        f"call within collective_timeout of the others; raise collective_timeout if a rank "
+        f"legitimately runs that far behind (e.g. an evaluation on one rank only)."
+    )
 
 
 def agree_step(

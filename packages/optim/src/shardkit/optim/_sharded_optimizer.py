@@ -35,12 +35,12 @@ from shardkit.optim._agreement import (
     agree_values,
     check_param_order,
     hyperparam_digest,
-    side_group,
 )
 from shardkit.optim._clip import _clip_grad_norm
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
+from shardkit.optim._exchange import channel
 from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed
 from shardkit.optim._master import (
     _WIRE_KEY,
@@ -193,7 +193,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._sync: _ParamSync
         self._rebuild(migrate=False)
         check_param_order(self._layout.params, self.group)  # [Note: Param order fingerprint]
-        side_group(self.group)  # created by every rank here; see [Note: Call agreement]
+        channel(self.group)  # every rank, here: see [Note: Agreement over the store]
         self._initialized = True
 
     # ------------------------------------------------------------------ layout

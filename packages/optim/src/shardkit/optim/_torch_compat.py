@@ -13,6 +13,14 @@ and :func:`profiler_range` from here instead of keeping copies).
   ``emit_itt``) sets while it runs; torch's own compiler reads it to skip its ranges when nobody
   profiles. No public equivalent. ``tests/test_torch_compat.py::
   test_profiling_flag_follows_the_profiler`` pins it.
+* ``torch.distributed.distributed_c10d._get_default_store``: the c10d store
+  ``init_process_group`` built the default group from (torchrun's TCPStore, a FileStore, ...),
+  which the call agreement runs on (see [Note: Agreement over the store] in ``_exchange.py``).
+  torch keeps it only in its private group registry; ``default_store()`` reads it.
+  ``tests/test_torch_compat.py::test_default_store_is_shared_by_the_ranks`` pins what the
+  agreement relies on: one store seen by every rank, ``clone()``, ``compare_set``'s
+  first-writer-wins, a ``wait`` that times out and leaves the client usable, ``multi_get``,
+  ``delete_key``.
 
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
 inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
@@ -33,8 +41,9 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.distributed.distributed_c10d import Store
 
-__all__ = ["all_gather_single", "profiler_range", "queue_end_of_backward"]
+__all__ = ["all_gather_single", "default_store", "profiler_range", "queue_end_of_backward"]
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning per call) to
 # all_gather_single; older torch has only the first.
@@ -53,6 +62,25 @@ def queue_end_of_backward(fn: Callable[[], None]) -> None:
     Call it from inside a backward pass (an autograd hook or a DDP comm hook).
     """
     Variable._execution_engine.queue_callback(fn)  # noqa: SLF001 (pinned torch internal)
+
+
+def default_store() -> Store:
+    """The c10d store of the default process group (every rank's client of the same store).
+
+    Raises:
+        RuntimeError: this torch keeps it elsewhere (the call agreement cannot run).
+    """
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError(
+            "shardkit.optim: this torch has no torch.distributed.distributed_c10d."
+            "_get_default_store(), which the call agreement needs; use a torch that "
+            "shardkit-optim supports (see its README)"
+        )
+    store = get()
+    if not isinstance(store, Store):
+        raise RuntimeError(f"the default process group has no c10d store (got {store!r})")
+    return store
 
 
 def profiling() -> bool:

@@ -81,7 +81,10 @@ def check_consistent(
             :class:`Partition` computed on this rank.
         group: Process group (default: the default group).
         timeout: Give up waiting for the other ranks after this long (e.g. a rank never
-            calls ``check_consistent``); default: the group's own timeout.
+            calls ``check_consistent``); default: the group's own timeout. On Gloo the
+            all-gather given up on stays pending (Gloo cannot drop it): the process cannot
+            exit before the other ranks' processes have, so use it where the whole job ends
+            on the error.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
