@@ -127,6 +127,24 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
         "all_gather (list)": (lambda: dist.all_gather(list(buf.chunk(world)), shard), ring),
         "all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(buf, shard), ring),
         "broadcast": (lambda: dist.broadcast(buf, src=0), ring),
+        "all_gather as one broadcast per rank's range": (
+            lambda: [
+                w.wait()
+                for w in [
+                    dist.broadcast(c, src=r, async_op=True) for r, c in enumerate(buf.chunk(world))
+                ]
+            ],
+            ring,
+        ),
+        "reduce_scatter as one reduce per rank's range": (
+            lambda: [
+                w.wait()
+                for w in [
+                    dist.reduce(c, dst=r, async_op=True) for r, c in enumerate(buf.chunk(world))
+                ]
+            ],
+            ring,
+        ),
     }
     out: dict[str, Any] = {}
     for name, (fn, factor) in ops.items():
