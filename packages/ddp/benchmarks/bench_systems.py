@@ -17,9 +17,10 @@ thread each. Systems:
   stepped bucket by bucket inside backward by shardkit-overlap's comm hook
   (``register_zero_overlap``);
 - ``shardkit_zero2``: ``ShardedDataParallel`` (param gathers overlapped with the next forward,
-  the default), ``shardkit_zero2_sync_gather`` (``overlap_param_gather=False``) and
-  ``shardkit_zero2_keep_staging`` (``keep_staging_buffers=True``: the staging pool stays
-  between steps, trading memory for fresh pages on CPU) and ``shardkit_zero2_views``
+  the staging pool kept between steps: the defaults), ``shardkit_zero2_sync_gather``
+  (``overlap_param_gather=False``) and ``shardkit_zero2_free_staging``
+  (``keep_staging_buffers=False``: the staging pool freed after each step and allocated again
+  by the next backward, fresh pages on CPU) and ``shardkit_zero2_views``
   (``gradient_as_bucket_view=True``: backward accumulates into the staging buffers instead of
   a multiply-copy into them);
 - bf16: ``ddp_bf16_autocast`` (fp32 model under ``torch.autocast(bfloat16)``),
@@ -50,6 +51,7 @@ import logging
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,6 +63,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ddp import zero2_comm_alone
 
 _LAYERS = int(os.environ.get("SHARDKIT_BENCH_SYS_LAYERS", "8"))
 _WIDTH = {
@@ -78,7 +83,7 @@ _FP32 = (
     "shardkit_zero1_overlap",
     "shardkit_zero2",
     "shardkit_zero2_sync_gather",
-    "shardkit_zero2_keep_staging",
+    "shardkit_zero2_free_staging",
     "shardkit_zero2_views",
 )
 _BF16 = ("ddp_bf16_autocast", "fsdp2_bf16", "shardkit_zero2_bf16")
@@ -191,7 +196,7 @@ def _build(name: str, width: int) -> _System:
             opt,
             broadcast_buffers=False,
             overlap_param_gather=not name.endswith("gather"),
-            keep_staging_buffers=name.endswith("keep_staging"),
+            keep_staging_buffers=not name.endswith("free_staging"),
             gradient_as_bucket_view=name.endswith("views"),
         )
         return _System(name, sdp, opt)
@@ -224,15 +229,7 @@ def _comm_alone(system: _System, world: int, rank: int) -> float:
     shardkit ZeRO-2: the package's reduce-scatter + all-gather of its buckets; shardkit ZeRO-1:
     DDP's all-reduce, then one broadcast of each rank's share of the params from that rank)."""
     if system.name.startswith("shardkit_zero2"):
-        bufs = [(b.flat, b.shard) for b in system.model._buckets]
-        t0 = time.perf_counter()
-        for flat, s in bufs:
-            g = torch.empty(s, dtype=flat.dtype)
-            dist.reduce_scatter(g, list(flat.clone().chunk(world)))
-        for flat, s in bufs:
-            gathered = flat.clone()
-            dist.all_gather(list(gathered.chunk(world)), flat[rank * s : (rank + 1) * s].clone())
-        return time.perf_counter() - t0
+        return zero2_comm_alone(system.model._buckets)
     flat = torch.cat([p.detach().reshape(-1) for p in system.params])
     t0 = time.perf_counter()
     for chunk in flat.split(25 * 2**20 // 4):

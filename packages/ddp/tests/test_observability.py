@@ -84,15 +84,15 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 
 
 @world(2)
-def test_gloo_list_collectives_fallback_is_logged_once() -> None:
+def test_gloo_collectives_fallback_is_logged_once() -> None:
     import shardkit.ddp._comm as comm
 
     with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.ddp") as logs:
-        mp.setattr(comm, "_logged_gloo_lists", False)
+        mp.setattr(comm, "_logged_gloo", False)
         for _ in range(2):
             sdp, opt = _wrapped()
             _step(sdp, opt)
-    found = logs.matching("using the list forms of reduce_scatter / all_gather")
+    found = logs.matching("each reduce-scatter is one in-place reduce")
     assert len(found) == 1, found
 
 
@@ -117,6 +117,7 @@ def test_extra_staging_buffer_is_logged_once() -> None:
             opt.zero_grad()
     found = logs.matching("allocating another staging buffer")
     assert len(found) == 1, found
-    # the pool (three buffers at the peak) is emptied once the step has waited for the
-    # reductions: see [Note: Staging lifetime]
-    assert sdp.memory_bytes()["staging"] == 0
+    # all four buckets hold a buffer at the end of backward (none launches before bucket 0);
+    # the pool keeps them between steps: see [Note: Staging lifetime]
+    assert sum(sdp._reducer._count.values()) == 4, sdp._reducer._count
+    assert sdp.memory_bytes()["staging"] == sdp._reducer.staging_bytes() > 0

@@ -15,10 +15,13 @@ callback, ``shardkit.optim.queue_end_of_backward``) the buckets still waiting ar
 gradient in this pass stage what they have (a gradient accumulated under ``no_sync()``) or
 zeros, as DDP with ``find_unused_parameters=True`` does, and every remaining bucket launches.
 
-The reduce-scatter writes this rank's range into the bucket's ``grad_shard``; if the shard
+The reduce-scatter writes this rank's range into the bucket's ``grad_shard``. If the shard
 already holds a gradient not yet consumed by a step (two synchronised backwards without
-``zero_grad``), it writes into a temporary that is added when the work completes, so gradients
-accumulate as with DDP.
+``zero_grad``), if the bucket is reduced in another dtype ([Note: Reduce dtype]), or on Gloo
+([Note: Gloo reduce-scatter by reduces] in ``shardkit.ddp._comm``), it reduces in place into
+this rank's own range of the staging buffer instead (NCCL reduce-scatters in place when the
+output is the rank's chunk of the input), which is added, cast or copied into the shard when
+the work completes: gradients accumulate as with DDP, and no temporary is allocated.
 
 [Note: Gradients as bucket views]
 With ``gradient_as_bucket_view=True`` backward writes a param's gradient where the
@@ -47,7 +50,10 @@ buffers and the reduce-scatter use that dtype for every bucket of another dtype:
 writes ``grad * (1/N)`` cast to it (scaling first, so an fp32 gradient up to ``N`` times the
 fp16 maximum still fits), the collective moves ``reduce_dtype`` bytes, and the summed shard is
 cast into the bucket's ``grad_shard`` (the params' dtype) when the work completes (copied, or
-added when the shard already holds an unconsumed gradient). So fp16 reduction of an fp32 model
+added when the shard already holds an unconsumed gradient). The scale is applied in place to
+the gradient autograd handed over (it is dropped right after, as in the copy) before the cast
+copy, so no temporary of the gradient's size is made (``torch.mul(..., out=)`` into another
+dtype computes into one). So fp16 reduction of an fp32 model
 halves the wire bytes and the staging memory, and costs the precision of an fp16 sum, like
 DDP's ``fp16_compress_hook``; ``reduce_dtype=torch.float32`` on a bf16 model sums in fp32.
 
@@ -94,6 +100,9 @@ __all__: list[str] = []
 
 logger = logging.getLogger("shardkit.ddp")
 _MAX_STAGING = 2
+_ALIGN = 16
+"""Staging buffers are a multiple of 16 elements, so each one of a pool starts 64-byte aligned
+and can be viewed in a wider dtype (the step's scratch)."""
 _warned_extra_staging = False
 _logged_views_dtype = False
 
@@ -209,7 +218,12 @@ class _Reducer:
     """Stages gradients and issues the reduce-scatters of a list of buckets."""
 
     def __init__(
-        self, buckets: Sequence[_Bucket], comm: _Comm, reduce_dtype: torch.dtype | None = None
+        self,
+        buckets: Sequence[_Bucket],
+        comm: _Comm,
+        reduce_dtype: torch.dtype | None = None,
+        keep_pool: bool = True,
+        scratch_bytes: int = 0,
     ) -> None:
         self.buckets = list(buckets)
         self.comm = comm
@@ -222,7 +236,7 @@ class _Reducer:
         self.next_launch = 0
         self.in_backward = False
         self.enabled = True
-        self.keep_pool = False
+        self.keep_pool = keep_pool
         """Keep the staging buffers between backwards (see [Note: Staging lifetime])."""
         self.bucket_views = False
         """Let backward accumulate gradients straight into the staging buffers (see [Note:
@@ -239,9 +253,20 @@ class _Reducer:
         self._size: dict[tuple[torch.dtype, torch.device], int] = {}
         for b in self.buckets:
             key = self._key(b)
-            self._size[key] = max(self._size.get(key, 0), b.numel)
+            # See [Note: Staging lifetime]: a buffer also holds the step's scratch
+            itemsize = torch.empty((), dtype=key[0]).element_size()
+            need = max(b.numel, -(-scratch_bytes // itemsize))
+            self._size[key] = max(self._size.get(key, 0), -(-need // _ALIGN) * _ALIGN)
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
+        if keep_pool:  # allocated once, here: see [Note: Staging lifetime]
+            for (dtype, device), size in self._size.items():
+                block = torch.empty(_MAX_STAGING * size, dtype=dtype, device=device)
+                self._free[(dtype, device)] = [
+                    block[k * size : (k + 1) * size] for k in range(_MAX_STAGING)
+                ]
+                self._count[(dtype, device)] = _MAX_STAGING
+        _allocate_grad_shards(self.buckets)
         self._gaps = {id(b): _gaps(b) for b in self.buckets}
         self._bases: dict[int, torch.Tensor] = {}
         """The whole staging buffer of each bucket holding one (its staging is a prefix view)."""
@@ -420,10 +445,13 @@ class _Reducer:
             view.zero_()
             return
         b.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
-        if view.element_size() <= grad.element_size():  # scale, then cast (or not) to wire
-            torch.mul(grad.detach(), self.scale, out=view)
+        g = grad.detach()
+        if view.dtype == g.dtype:
+            torch.mul(g, self.scale, out=view)
+        elif view.element_size() <= g.element_size():  # scale, then cast ([Note: Reduce dtype])
+            view.copy_(g.mul_(self.scale))  # in place: no temporary; .grad is dropped next
         else:  # a wider reduce dtype: upcast first, scale in it ([Note: Reduce dtype])
-            view.copy_(grad.detach()).mul_(self.scale)
+            view.copy_(g).mul_(self.scale)
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets) and not self.buckets[self.next_launch].pending:
@@ -432,13 +460,13 @@ class _Reducer:
 
     def _launch(self, b: _Bucket) -> None:
         assert b.staging is not None  # every param staged (possibly zeros) before launch
-        if b.grad_shard is None:
-            b.grad_shard = torch.zeros(b.shard, dtype=b.dtype, device=b.device)
+        assert b.grad_shard is not None  # allocated with the reducer
         wire = self.wire_dtype(b)
-        if wire == b.dtype and b.grad_fresh:
+        if wire == b.dtype and b.grad_fresh and not self.comm.reduces_in_place:
             out = b.grad_shard
-        else:  # a temporary, copied or added into the shard when done ([Note: Reduce dtype])
-            out = torch.empty(b.shard, dtype=wire, device=b.device)
+        else:  # in place, copied or added into the shard when done ([Note: Staging and launch
+            # order], [Note: Reduce dtype], [Note: Gloo reduce-scatter by reduces])
+            out = b.staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
         b.out = out
         b.add_out = not b.grad_fresh
         b.grad_fresh = False
@@ -480,8 +508,17 @@ class _Reducer:
         if not self.inflight:
             return
         self.wait_inflight()
+        self.trim_pool()
+
+    def trim_pool(self) -> None:
+        """Frees the idle staging buffers unless the pool is kept ([Note: Staging lifetime])."""
         if not self.in_backward and not self.keep_pool:
             self._empty_pool()
+
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The staging buffers no bucket holds now: the step's scratch ([Note: Staging
+        lifetime]). Valid until the next backward stages into them."""
+        return [buf for free in self._free.values() for buf in free]
 
     def wait_inflight(self) -> None:
         """Waits for the in-flight reduce-scatters, in launch order (keeps the pool)."""
@@ -492,13 +529,29 @@ class _Reducer:
                 self._finish(0)
 
     # [Note: Staging lifetime]
-    # A bucket's staging buffer lives from its bucket's first gradient in backward until its
+    # A bucket holds a staging buffer from its bucket's first gradient in backward until its
     # reduce-scatter has completed (``_finish`` returns it to the pool, where the next bucket of
-    # the same backward takes it). Once a step, clip, zero_grad or state access has waited for
-    # the last reduction, the pool is emptied: nothing of it is alive between steps, so after
-    # ``step()`` a rank holds params, its grad shards and its optimizer state only (issue 25's
-    # memory target). The next backward allocates again: free with a caching allocator (CUDA);
-    # on CPU it costs fresh pages (``keep_staging_buffers=True`` keeps the pool instead).
+    # the same backward takes it). The pool (two buffers per wire dtype and device, each the
+    # size of the largest bucket, in one block) is allocated with the bucket layout and kept from
+    # one step to the next (``keep_staging_buffers=True``, the default), as are the grad shards
+    # (views of one buffer per dtype and device), so no step allocates a bucket-sized tensor. A
+    # buffer freed and allocated again every step costs a caching allocator (CUDA) reserved
+    # memory only; on CPU glibc keeps the freed pages resident and, as other sizes come and go
+    # in between (autograd's gradients), hands out new ones: issue 37 measured 17.4 B/param peak
+    # resident at 10.0 B/param live with the pool freed every step. One block apiece also keeps
+    # these long-lived buffers out of the heap that the per-step gradients churn through (glibc
+    # maps a block of 32 MiB or more on its own).
+    #
+    # Between steps the pool is idle, and the local step borrows it as its scratch (the fp32
+    # gradients of the masters, bucket by bucket: ``idle_buffers``, shardkit-optim's
+    # ``ShardStepper.step(scratch=...)``); each buffer is sized to hold that scratch too (from
+    # world 2 on a bucket's staging bytes already cover its shard's fp32 gradients). The cost is
+    # two buckets' memory at rest (2 x 25 MiB with the default bucket cap). With
+    # ``keep_staging_buffers=False`` the pool is emptied once a step, clip, zero_grad or state
+    # access has waited for the last reduction (after the step's scratch use), so between steps
+    # a rank holds params, grad shards and optimizer state only; on CUDA the caching allocator
+    # then lends those blocks to the next forward's activations, on CPU the pages stay resident
+    # and every backward allocates the pool again.
     def _empty_pool(self) -> None:
         for key, free in self._free.items():
             self._count[key] -= len(free)
@@ -552,6 +605,23 @@ def check_clip(
             "these gradients since they were reduced: clip once, after backward and before "
             "step() (a second clip would only measure the clipped gradients)."
         )
+
+
+def _allocate_grad_shards(buckets: Sequence[_Bucket]) -> None:
+    """Gives every bucket its ``grad_shard``: views of one zeroed buffer per (dtype, device),
+    allocated once with the layout (see [Note: Staging lifetime])."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for b in buckets:
+        if b.grad_shard is None:
+            key = (b.dtype, b.device)
+            sizes[key] = sizes.get(key, 0) + -(-b.shard // _ALIGN) * _ALIGN
+    flats = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    for b in buckets:
+        if b.grad_shard is None:
+            key = (b.dtype, b.device)
+            b.grad_shard = flats[key][offsets[key] : offsets[key] + b.shard]
+            offsets[key] += -(-b.shard // _ALIGN) * _ALIGN
 
 
 def _gaps(b: _Bucket) -> list[tuple[int, int]]:

@@ -61,8 +61,8 @@ class ShardedDataParallel(nn.Module):
     Gradients are reduce-scattered bucket by bucket during backward into the shard of the rank
     that owns them; ``optimizer.step()`` steps every rank's shard and all-gathers the params.
     Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
-    the optimizer state (and of the fp32 masters with ``master_dtype``), plus, during backward
-    only, at most two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
+    the optimizer state (and of the fp32 masters with ``master_dtype``), plus a pool of at most
+    two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
     See [Note: Owner-contiguous buckets] (``shardkit.optim._flat``) for the layout and
     [Note: Optimizer hand-over] (``shardkit.ddp._unit``) for how the optimizers are driven.
 
@@ -121,13 +121,16 @@ class ShardedDataParallel(nn.Module):
             the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
             ``torch.float32`` on a bf16 model sums in fp32. The reduced shard is kept in the
             params' dtype. See [Note: Reduce dtype] in ``shardkit.ddp._reducer``.
-        keep_staging_buffers: ``False`` (default): the (at most two) bucket-sized staging
-            buffers are freed once the step has waited for the last reduction, so between
-            steps a rank holds params, grad shards and optimizer state only (with a caching
-            allocator, CUDA, re-allocating them next backward costs nothing). ``True`` keeps
-            them from one backward to the next: on CPU that saves their fresh pages every step
-            (measured 2-6 ms on a 26 ms step of a 1.6M-param model), for two buckets of memory
-            between steps. See [Note: Staging lifetime] in ``shardkit.ddp._reducer``.
+        keep_staging_buffers: ``True`` (default): the (at most two) bucket-sized staging
+            buffers are allocated by the first backward and kept from one step to the next,
+            so no later step allocates a bucket-sized tensor (the local step borrows them as
+            its scratch); they cost two buckets of memory between steps (2 x 25 MiB with the
+            default cap), which a CPU process keeps resident either way (glibc does not give
+            freed pages back). ``False`` frees them once the step has waited for the last
+            reduction, so between steps a rank holds params, grad shards and optimizer state
+            only: on CUDA the caching allocator lends those blocks to the next forward's
+            activations; every backward allocates them again (on CPU, fresh pages each step).
+            See [Note: Staging lifetime] in ``shardkit.ddp._reducer``.
         gradient_as_bucket_view: ``True``: in a synchronised backward each param's ``.grad``
             is a zeroed view of its bucket's staging buffer, which ``AccumulateGrad`` adds the
             gradient into, so there is no staging copy (DDP's option of that name). ``False``
@@ -159,7 +162,7 @@ class ShardedDataParallel(nn.Module):
         elementwise: bool | None = None,
         overlap_param_gather: bool = True,
         reduce_dtype: torch.dtype | None = None,
-        keep_staging_buffers: bool = False,
+        keep_staging_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
@@ -281,8 +284,13 @@ class ShardedDataParallel(nn.Module):
                 self._units.append(_Unit(self._host, k, o, buckets[a:b], stepper))
         for h in self._grad_hooks:
             h.remove()
-        self._reducer = _Reducer(buckets, self._comm, self.reduce_dtype)
-        self._reducer.keep_pool = self._keep_staging
+        self._reducer = _Reducer(
+            buckets,
+            self._comm,
+            self.reduce_dtype,
+            keep_pool=self._keep_staging,
+            scratch_bytes=max((u.stepper.scratch_bytes() for u in self._units), default=0),
+        )
         self._reducer.bucket_views = self.gradient_as_bucket_view
         self._reducer.enabled = not self._no_sync
         self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
@@ -498,11 +506,13 @@ class ShardedDataParallel(nn.Module):
             # moves (shardkit-optim's [Note: Call agreement]).
             unit.opt.check_step(self._trainable_error(unit))
             self.wait_params()
-            self._reducer.finish_all()
+            self._reducer.wait_inflight()  # the pool stays for the step's scratch
             unused = self._global_unused(unit.buckets)
-            with phase("local_step"):
-                unit.stepper.step(unit.opt.param_groups, unused)
+            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.ddp._reducer
+                scratch = self._reducer.idle_buffers()
+                unit.stepper.step(unit.opt.param_groups, unused, scratch=scratch)
             self._reducer.consume(unit.buckets)
+            self._reducer.trim_pool()
             with phase("all_gather"):
                 self._gather.issue(unit.buckets)
         return loss
@@ -613,7 +623,8 @@ class ShardedDataParallel(nn.Module):
             self._reducer.finish_all()
             self.wait_params()
             device = self._buckets[0].device if self._buckets else torch.device("cpu")
-            norms = [u.stepper.local_norm(u.buckets, norm_type, device) for u in units]
+            scratch = self._reducer.idle_buffers()  # See [Note: Staging lifetime]
+            norms = [u.stepper.local_norm(u.buckets, norm_type, device, scratch) for u in units]
             local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
             # See [Note: Clip agreement] in shardkit.ddp._reducer: the flags ride on the norm's
             # all-reduce, and every rank takes the same decision from the reduced values.
@@ -698,8 +709,11 @@ class ShardedDataParallel(nn.Module):
         return self._comm.stats
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds by kind: ``params`` (flat buffers), ``grads`` (grad shards),
-        ``staging``, ``optimizer`` (state and masters)."""
+        """Bytes of tensors this rank holds by kind: ``params`` (flat buffers), ``grads`` (grad
+        shards), ``staging`` (the staging pool, kept between steps by default, which is also
+        the local step's scratch: see [Note: Staging lifetime] in ``shardkit.ddp._reducer``),
+        ``optimizer`` (state and masters). Live tensors only: what a process keeps resident
+        can be more (the allocator's cache, the backend's own buffers)."""
         return {
             "params": sum(b.flat.numel() * b.flat.element_size() for b in self._buckets),
             "grads": sum(

@@ -13,10 +13,13 @@ gradients at most; one chunk when ``None``):
    see below), and the buffer's views become the masters' ``.grad``;
 2. the wrapped optimizer steps the chunk's masters (``_step_local`` narrows its groups, as for
    the per-bucket step of shardkit-overlap);
-3. the new master values are cast into the model params (``p.copy_(master)``), the masters'
-   ``.grad`` dropped, and the buffer freed.
+3. the new master values are cast into the model params (``p.copy_(master)``) and the masters'
+   ``.grad`` dropped.
 
-So no fp32 copy of every grad exists at once: the extra memory is one chunk. After the local
+So no fp32 copy of every grad exists at once: the extra memory is one chunk, one buffer per
+device allocated by the first step (the size of the largest chunk) and reused by every chunk
+and step after it, so no step allocates a gradient-sized tensor (issue 37: a buffer freed and
+allocated again every step stays resident under glibc anyway, and costs fresh pages). After the local
 step, the params are synchronised as without masters (one broadcast per flat bucket, in the
 model's dtype: half the bytes of fp32).
 
@@ -100,6 +103,9 @@ class _Masters:
         self.chunk_bytes = chunk_bytes
         self._master: dict[int, torch.Tensor] = {}
         self._param: dict[int, torch.Tensor] = {}
+        self._grads: dict[torch.device, torch.Tensor] = {}
+        """Per device, the flat buffer of a chunk's upcast grads, reused (see [Note: Master
+        weights])."""
         # pending gradient multipliers (the scaler's 1/scale, clip coefficients), in order
         self.factors: list[torch.Tensor] = []
 
@@ -164,7 +170,11 @@ class _Masters:
         flats: list[torch.Tensor] = []
         for device in dict.fromkeys(m.device for _, m in pairs):
             on = [(p, m) for p, m in pairs if m.device == device]
-            flat = torch.empty(sum(m.numel() for _, m in on), dtype=self.dtype, device=device)
+            numel = sum(m.numel() for _, m in on)
+            kept = self._grads.get(device)
+            if kept is None or kept.numel() < numel:  # the first step, or a larger chunk
+                kept = self._grads[device] = torch.empty(numel, dtype=self.dtype, device=device)
+            flat = kept[:numel]
             off = 0
             for p, m in on:
                 view = flat[off : off + m.numel()].view(m.shape)

@@ -10,7 +10,19 @@ owns. Their ``.grad`` are views of the bucket's reduced ``grad_shard``. With ``m
 copy in ``master_dtype``, created from the live values, which the local optimizer steps
 instead; the new values are cast back into the buffer after the step, and the gradients are
 upcast just before it, bucket by bucket, with the pending factors (clip coefficient) applied in
-fp32.
+fp32 (see [Note: Stepping masters bucket by bucket]).
+
+[Note: Stepping masters bucket by bucket]
+The fp32 gradients of the masters are not all alive at once: the local optimizer steps the
+tensors without masters first (their gradients are views of the grad shards), then, for each
+bucket whose tensors have masters, upcasts that bucket's gradients into one scratch buffer,
+steps those masters and casts them back into the params, as shardkit-optim's ZeRO-1 steps its
+masters chunk by chunk ([Note: Master weights]). Every tensor is stepped once per step with the
+same gradient, state and hyper-parameters, so an element-wise optimizer gives the same bits as
+one step over all of them (each tensor keeps its own step count). The scratch is memory the
+driver lends (``step(scratch=...)``: shardkit-ddp lends its idle staging buffers, sized for it
+with :meth:`ShardStepper.scratch_bytes`), so no step allocates a gradient-sized tensor; without
+a buffer that fits, each bucket's scratch is allocated for the step (logged once).
 
 [Note: Per-param fragments]
 A fragment bucket's range is stepped as one tensor per param piece, not as one flat tensor,
@@ -27,6 +39,7 @@ usage mask over the ranks with one small all-reduce per step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +51,9 @@ from shardkit.optim._state import _hyperparams as hyperparams
 from torch.optim import Optimizer
 
 __all__ = ["ShardEntry", "ShardStepper"]
+
+logger = logging.getLogger("shardkit.optim")
+_logged_no_scratch = False
 
 
 @dataclass(eq=False)
@@ -114,13 +130,14 @@ class ShardStepper:
                 for i, lo, hi in b.pieces(rank):
                     piece = b.flat[lo:hi]
                     self.entries[b.group].append(
-                        self._entry(
-                            b, i, min(max(lo - start, 0), b.shard), piece, lo - b.offsets[i]
+                        ShardEntry(
+                            b, i, min(max(lo - start, 0), b.shard), piece, None, lo - b.offsets[i]
                         )
                     )
             else:
                 for i, p in b.owned_params(rank):
-                    self.entries[b.group].append(self._entry(b, i, b.offsets[i] - start, p, 0))
+                    self.entries[b.group].append(ShardEntry(b, i, b.offsets[i] - start, p, None))
+        self._make_masters()
         groups = [
             {**hyperparams(g), "params": [e.opt for e in es]}
             for g, es in zip(param_groups, self.entries, strict=True)
@@ -130,17 +147,39 @@ class ShardStepper:
         if any(g["params"] for g in groups):
             self.local = optim_cls(groups, **defaults)
 
-    def _entry(
-        self, b: FlatBucket, pos: int, start: int, t: torch.Tensor, lo: int
-    ) -> ShardEntry:
-        master = None
-        if self.master_dtype is not None and t.dtype != self.master_dtype:
-            master = t.detach().to(self.master_dtype, copy=True)
-        return ShardEntry(b, pos, start, t, master, lo)
+    def _make_masters(self) -> None:
+        """Gives every entry of another dtype than ``master_dtype`` its master, created from the
+        live values: views of one flat buffer per device, allocated once (a gradient-sized
+        buffer per piece would scatter the allocator's heap)."""
+        dtype = self.master_dtype
+        if dtype is None:
+            return
+        needs = [e for e in self.all_entries() if e.tensor.dtype != dtype]
+        sizes: dict[torch.device, int] = {}
+        for e in needs:
+            sizes[e.tensor.device] = sizes.get(e.tensor.device, 0) + e.tensor.numel()
+        flats = {d: torch.empty(n, dtype=dtype, device=d) for d, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        with torch.no_grad():
+            for e in needs:
+                d, n = e.tensor.device, e.tensor.numel()
+                e.master = flats[d][offsets[d] : offsets[d] + n].view(e.tensor.shape)
+                e.master.copy_(e.tensor)
+                offsets[d] += n
 
     def all_entries(self) -> list[ShardEntry]:
         """Every entry, group by group."""
         return [e for es in self.entries for e in es]
+
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch one step needs: the upcast gradients of the largest bucket's tensors
+        with masters (0 without masters). See [Note: Stepping masters bucket by bucket]."""
+        per_bucket: dict[int, int] = {}
+        for e in self.all_entries():
+            if e.master is not None:
+                n = e.master.numel() * e.master.element_size()
+                per_bucket[e.bucket.index] = per_bucket.get(e.bucket.index, 0) + n
+        return max(per_bucket.values(), default=0)
 
     def state_bytes(self) -> int:
         """Bytes of masters and optimizer state held by this rank."""
@@ -156,12 +195,22 @@ class ShardStepper:
 
     # ------------------------------------------------------------------ step
     def step(
-        self, param_groups: Sequence[dict[str, Any]], unused: Set[tuple[int, int]] = frozenset()
+        self,
+        param_groups: Sequence[dict[str, Any]],
+        unused: Set[tuple[int, int]] = frozenset(),
+        scratch: Sequence[torch.Tensor] = (),
     ) -> None:
         """One local step on the reduced gradients; see the module docstring.
 
-        ``unused``: ``(bucket index, position)`` of the params no rank used since the last
-        step; they are skipped (see [Note: Per-param fragments]).
+        Args:
+            param_groups: The sharded optimizer's param groups (their hyper-parameters are
+                used, and the local optimizer's written back).
+            unused: ``(bucket index, position)`` of the params no rank used since the last
+                step; they are skipped (see [Note: Per-param fragments]).
+            scratch: Contiguous tensors nothing else uses during the call (any dtype; their
+                contents are overwritten): the upcast gradients of the masters are written into
+                the first one on the right device with :meth:`scratch_bytes` bytes. See [Note:
+                Stepping masters bucket by bucket].
         """
         local = self.local
         if local is None:
@@ -170,32 +219,55 @@ class ShardStepper:
         for wg, lg in zip(param_groups, local.param_groups, strict=True):
             lg.update(hyperparams(wg))
         try:
+            plain: list[ShardEntry] = []
+            chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
             for e in self.all_entries():
-                if (
+                e.opt.grad = None
+                if not (
                     e.bucket.grad_fresh
                     or e.bucket.grad_shard is None
                     or (e.bucket.index, e.position) in unused
                 ):
-                    e.opt.grad = None
-                    continue
-                g = e.grad()
-                if e.master is not None:
-                    mg = g.to(e.master.dtype)
-                    for f in self.factors:  # one multiply each, in order
-                        mg.mul_(f.to(device=mg.device, dtype=mg.dtype))
-                    e.master.grad = mg
-                else:
-                    e.tensor.grad = g
-            local.step()
-            with torch.no_grad():
-                for e in self.all_entries():
-                    if e.master is not None and e.master.grad is not None:
-                        e.tensor.copy_(e.master)
-                    e.opt.grad = None
+                    (plain if e.master is None else chunks.setdefault(e.bucket.index, [])).append(e)
+            if plain:
+                for e in plain:
+                    e.tensor.grad = e.grad()
+                local.step()
+                for e in plain:
+                    e.tensor.grad = None
+            for chunk in chunks.values():  # See [Note: Stepping masters bucket by bucket]
+                self._step_masters(local, chunk, scratch)
         finally:
             self.factors.clear()
         for wg, lg in zip(param_groups, local.param_groups, strict=True):
             wg.update(hyperparams(lg))
+
+    def _step_masters(
+        self, local: Optimizer, chunk: list[ShardEntry], scratch: Sequence[torch.Tensor]
+    ) -> None:
+        """Upcasts the gradients of one bucket's masters into scratch, steps them, casts back."""
+        first = chunk[0].master
+        assert first is not None  # chunks hold entries with masters only
+        numel = sum(e.tensor.numel() for e in chunk)
+        flat = _scratch(numel, first.dtype, first.device, scratch)
+        off = 0
+        for e in chunk:
+            master = e.master
+            assert master is not None  # chunks hold entries with masters only
+            mg = flat[off : off + master.numel()].view_as(master)
+            mg.copy_(e.grad())
+            master.grad = mg
+            off += master.numel()
+        for f in self.factors:  # one multiply each, in order
+            flat.mul_(f.to(device=flat.device, dtype=flat.dtype))
+        try:
+            local.step()
+            with torch.no_grad():
+                for e in chunk:
+                    e.tensor.copy_(e.opt)
+        finally:
+            for e in chunk:
+                e.opt.grad = None
 
     # ------------------------------------------------------------------ loss scaling
     def has_master(self, b: FlatBucket) -> bool:
@@ -240,13 +312,20 @@ class ShardStepper:
     # masters count times the pending factors (the loss scaler's ``1/scale`` after
     # ``unscale_``), as the step will use them.
     def local_norm(
-        self, buckets: Sequence[FlatBucket], norm_type: float, device: torch.device
+        self,
+        buckets: Sequence[FlatBucket],
+        norm_type: float,
+        device: torch.device,
+        scratch: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """The ``norm_type`` norm (fp32) of this rank's live reduced gradients in ``buckets``."""
+        """The ``norm_type`` norm (fp32) of this rank's live reduced gradients in ``buckets``.
+
+        ``scratch``: as for :meth:`step`, for the fp32 copy of a shard of another dtype.
+        """
         live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
         if not live:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = [torch.linalg.vector_norm(self._scaled(b), norm_type) for b in live]
+        norms = [torch.linalg.vector_norm(self._scaled(b, scratch), norm_type) for b in live]
         total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         return total.to(device)
 
@@ -261,14 +340,37 @@ class ShardStepper:
         if self.master_dtype is not None:
             self.factors.append(coef.detach().reshape(()).clone())
 
-    def _scaled(self, b: FlatBucket) -> torch.Tensor:
+    def _scaled(self, b: FlatBucket, scratch: Sequence[torch.Tensor]) -> torch.Tensor:
         """The bucket's reduced grad shard in fp32, times the pending factors (the loss
         scaler's ``1/scale``) when its tensors have masters: what the step will use."""
         shard = b.grad_shard
         assert shard is not None  # callers keep live buckets only
-        g = shard.float()
-        if self.has_master(b) and self.factors:
-            g = g.clone() if g is shard else g
-            for f in self.factors:
-                g.mul_(f.to(device=g.device, dtype=g.dtype))
+        factors = self.factors if self.has_master(b) else []
+        if shard.dtype == torch.float32 and not factors:
+            return shard
+        g = _scratch(shard.numel(), torch.float32, shard.device, scratch).copy_(shard)
+        for f in factors:
+            g.mul_(f.to(device=g.device, dtype=g.dtype))
         return g
+
+
+def _scratch(
+    numel: int, dtype: torch.dtype, device: torch.device, scratch: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """A flat ``dtype`` tensor of ``numel`` elements: a view of the first lent scratch buffer
+    on ``device`` that holds it, else a temporary (logged once). See [Note: Stepping masters
+    bucket by bucket]."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    for t in scratch:
+        if t.device == device and t.is_contiguous() and t.numel() * t.element_size() >= nbytes:
+            return t.reshape(-1).view(torch.uint8)[:nbytes].view(dtype)
+    global _logged_no_scratch
+    if not _logged_no_scratch:
+        _logged_no_scratch = True
+        logger.info(
+            "ShardStepper: no scratch buffer of %d bytes on %s was lent to the step; the fp32 "
+            "gradients of each bucket are allocated for the step instead (logged once)",
+            nbytes,
+            device,
+        )
+    return torch.empty(numel, dtype=dtype, device=device)

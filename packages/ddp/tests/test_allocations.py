@@ -1,0 +1,101 @@
+"""No per-step allocation churn (issue 37): after the first steps, a training step of
+ShardedDataParallel allocates no large tensor of its own.
+
+Counted with ``shardkit.testing.LargeAllocations``: every new tensor storage of at least 64 KiB
+that shardkit code asks for, on the rank's thread, in forward (pre-hooks, buffer broadcast),
+backward (the gradient hooks, the end-of-backward flush), clipping and the step. Not counted, by
+construction ([Note: Counting our allocations] in ``shardkit.testing._allocations``): the
+gradient the autograd kernel allocates for each param and the model's activations (not ours to
+remove), and what a collective allocates inside its own implementation (on Gloo the package
+issues in-place reduces and broadcasts, which allocate nothing: [Note: Gloo reduce-scatter by
+reduces] and [Note: Gloo all-gather by broadcasts] in ``shardkit.ddp._comm``).
+
+64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
+bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256
+KiB), so a staging buffer, a reduce temporary or a bucket's upcast gradients would all show; the
+per-step tensors that stay are a byte per param (the usage mask) and scalars (norms, flags).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.ddp import ShardedDataParallel
+from shardkit.optim import ShardedOptimizer
+from shardkit.testing import LargeAllocations, world
+from torch import nn
+
+WIDTH = 512
+LAYERS = 4
+STEPS = 5
+STEADY = 1  # every step after the first, which allocates the optimizer state
+
+_VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16_masters": {"bf16": True},
+    "reduce_fp16": {"ddp": {"reduce_dtype": torch.float16}},
+    "no_sync_accumulation": {"no_sync": 2},
+    "two_synced_backwards": {"backwards": 2},
+    "bucket_views": {"ddp": {"gradient_as_bucket_view": True}},
+    "sync_gather": {"ddp": {"overlap_param_gather": False}},
+    "clip": {"clip": True},
+    "clip_bf16_masters": {"clip": True, "bf16": True},
+}
+
+
+def _steps(bf16: bool = False, no_sync: int = 0, backwards: int = 1, clip: bool = False,
+           ddp: dict[str, Any] | None = None) -> list[LargeAllocations]:  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(dtype)
+    opt = ShardedOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        lr=1e-3,
+        fused=True,
+        master_dtype=torch.float32 if bf16 else None,
+    )
+    sdp = ShardedDataParallel(model, opt, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, **(ddp or {}))
+    assert len(sdp._buckets) >= LAYERS, [b.numel for b in sdp._buckets]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(8, WIDTH, generator=g).to(dtype) for _ in range(no_sync + backwards)]
+    counts = []
+    for _ in range(STEPS):
+        with LargeAllocations() as allocs:
+            opt.zero_grad()
+            for x in batches[:no_sync]:
+                with sdp.no_sync():
+                    sdp(x).float().square().mean().backward()
+            for x in batches[no_sync:]:
+                sdp(x).float().square().mean().backward()
+            if clip:
+                sdp.clip_grad_norm_(1.0)
+            opt.step()
+        counts.append(allocs)
+    sdp.wait_params()
+    return counts
+
+
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+@world(2, timeout=180)
+def test_steady_steps_allocate_nothing_large(variant: str) -> None:
+    counts = _steps(**_VARIANTS[variant])
+    # the first step allocates the optimizer state (AdamW's moments): the counter sees it
+    assert any("shard_stepper" in r.where for r in counts[0].records), counts[0].records
+    for step, allocs in enumerate(counts[STEADY:], start=STEADY + 1):
+        assert allocs.records == [], (variant, step, allocs.records)
+
+
+@world(2, timeout=120)
+def test_freeing_the_pool_allocates_it_every_step() -> None:
+    """keep_staging_buffers=False (the pool freed after each step): every backward allocates
+    the staging buffers again, and the counter sees them, in the gradient hooks."""
+    counts = _steps(ddp={"keep_staging_buffers": False})
+    for allocs in counts[STEADY:]:
+        staged = [r for r in allocs.records if "_reducer" in r.where]
+        assert len(staged) == 2 and all(r.nbytes >= WIDTH * WIDTH * 4 for r in staged), (
+            allocs.records
+        )
