@@ -110,12 +110,6 @@ def _train(rank: int, world: int, impl: str) -> dict[str, Any]:
     return {"model_bytes": model_bytes, "wire": wire, "ring": ring_bytes}
 
 
-def _per_range(buf: torch.Tensor, world: int, issue: Callable[[torch.Tensor, int], Any]) -> None:
-    """One collective per rank's range of ``buf`` (what shardkit-ddp issues on Gloo), waited."""
-    for work in [issue(chunk, r) for r, chunk in enumerate(buf.chunk(world))]:
-        work.wait()
-
-
 def _collectives(rank: int, world: int) -> dict[str, Any]:
     n = sum(p.numel() for p in _model().parameters())
     n -= n % world
@@ -133,14 +127,6 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
         "all_gather (list)": (lambda: dist.all_gather(list(buf.chunk(world)), shard), ring),
         "all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(buf, shard), ring),
         "broadcast": (lambda: dist.broadcast(buf, src=0), ring),
-        "all_gather as one broadcast per rank's range": (
-            lambda: _per_range(buf, world, lambda c, r: dist.broadcast(c, src=r, async_op=True)),
-            ring,
-        ),
-        "reduce_scatter as one reduce per rank's range": (
-            lambda: _per_range(buf, world, lambda c, r: dist.reduce(c, dst=r, async_op=True)),
-            ring,
-        ),
     }
     out: dict[str, Any] = {}
     for name, (fn, factor) in ops.items():

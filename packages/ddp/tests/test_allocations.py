@@ -6,9 +6,9 @@ that shardkit code asks for, on the rank's thread, in forward (pre-hooks, buffer
 backward (the gradient hooks, the end-of-backward flush), clipping and the step. Not counted, by
 construction ([Note: Counting our allocations] in ``shardkit.testing._allocations``): the
 gradient the autograd kernel allocates for each param and the model's activations (not ours to
-remove), and what a collective allocates inside its own implementation (on Gloo the package
-issues in-place reduces and broadcasts, which allocate nothing: [Note: Gloo reduce-scatter by
-reduces] and [Note: Gloo all-gather by broadcasts] in ``shardkit.ddp._comm``).
+remove), and what a collective allocates inside its own implementation (Gloo's reduce-scatter
+clones the chunks it does not own and its all-gather receives into a buffer of its own: [Note:
+Gloo list collectives] in ``shardkit.ddp._comm``; NCCL allocates neither).
 
 64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
 bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256

@@ -71,14 +71,13 @@ _all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", dist.all_ga
 
 
 class _Pending:
-    """An issued collective: its works (one, or one per broadcast of a Gloo all-gather) and
-    when it was issued."""
+    """An issued collective: its work and when it was issued."""
 
-    __slots__ = ("kind", "start", "works")
+    __slots__ = ("kind", "start", "work")
 
-    def __init__(self, kind: str, *works: dist.Work | None) -> None:
+    def __init__(self, kind: str, work: dist.Work | None) -> None:
         self.kind = kind
-        self.works = [w for w in works if w is not None]
+        self.work = work
         self.start = time.perf_counter()
 
 
@@ -88,21 +87,27 @@ class _Comm:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
-        self.stats = CommStats()
-        self._gloo = dist.get_backend(group) == "gloo"
-        self.reduces_in_place = self._gloo
-        """Whether the reduce-scatter's output must be this rank's chunk of its input (Gloo:
-        see [Note: Gloo reduce-scatter by reduces])."""
         self.rank = dist.get_rank(group)
+        self.stats = CommStats()
         self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
+        # [Note: Gloo list collectives]
+        # Gloo implements reduce_scatter_tensor / all_gather_into_tensor through an extra
+        # full-buffer pass and is 3-5x slower than its list forms on CPU (measured: a 5.6 MB
+        # reduce-scatter 43 ms vs 11 ms, all-gather 27 ms vs 5 ms, world 2); the list forms take
+        # views of the same buffer. Same bytes, same sums. Both forms allocate inside Gloo, per
+        # call: its reduce-scatter clones the ``N - 1`` chunks of the input it does not own and
+        # its all-gather receives into a buffer of the whole output, then copies back (issue 37
+        # measured what that does to resident memory on CPU: the ddp README's memory section).
+        # That is Gloo's, and stays: NCCL, what GPU users run, reduce-scatters and all-gathers
+        # in place with no buffer of its own.
+        self._lists = dist.get_backend(group) == "gloo"
         global _logged_gloo
-        if self._gloo and not _logged_gloo:
+        if self._lists and not _logged_gloo:
             _logged_gloo = True
             logger.info(
-                "ShardedDataParallel on Gloo: each reduce-scatter is one in-place reduce of "
-                "each rank's range to that rank and each all-gather one in-place broadcast of "
-                "each rank's range from that rank, since Gloo's reduce_scatter and all_gather "
-                "allocate bucket-sized buffers per call (logged once)"
+                "ShardedDataParallel on Gloo: using the list forms of reduce_scatter / "
+                "all_gather (views of the bucket) instead of reduce_scatter_tensor / "
+                "all_gather_into_tensor, which Gloo runs 3-5x slower on CPU (logged once)"
             )
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
@@ -112,71 +117,29 @@ class _Comm:
         self.stats.calls[kind] += 1
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
-        """Async SUM reduce-scatter of ``inp`` (``world * out.numel()``) into ``out``; with
-        :attr:`reduces_in_place`, ``out`` must be this rank's chunk of ``inp``, and the other
-        chunks of ``inp`` are left with unspecified values."""
+        """Async SUM reduce-scatter of ``inp`` (``world * out.numel()``) into ``out``, which may
+        be this rank's chunk of ``inp`` (in place)."""
         self._count("reduce_scatter", inp)
-        if not self._gloo:
-            work = _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return _Pending("reduce_scatter", cast("dist.Work | None", work))
-        # [Note: Gloo reduce-scatter by reduces]
-        # Gloo's reduce_scatter (list form; reduce_scatter_tensor runs through it after an
-        # extra full-buffer pass, 3-5x slower on CPU) copies this rank's input chunk into the
-        # output, clones every other chunk, and all-reduces each of the N buffers: per call it
-        # allocates (N-1)/N of the bucket on the calling thread, held until the work completes,
-        # and it sends twice the ring model's bytes. Allocated while backward frees each
-        # param's autograd gradient, those clones split the freed blocks, so glibc's heap
-        # grows by a gradient's size per bucket (measured on the 33.6M-param model of
-        # ``bench_memory.py``: 8 MiB clones landing where the 16 MiB gradients were freed, the
-        # next gradient placed above them). So on Gloo the bucket is reduced in place, one
-        # ``dist.reduce`` of each rank's chunk to that rank: nothing is allocated (Gloo's
-        # reduce keeps a small scratch of its own), and Gloo's reduce sends fewer bytes (1.5x
-        # the ring model at world 2, 1.25x at world 4, against 2.0x: ``wire_bytes.py``). The
-        # owner's sum is in its own chunk of the staging buffer, which the reducer copies (or
-        # adds) into the grad shard when the work completes. At world 2 the sums are the same
-        # bits (two addends); with more ranks Gloo's reduce may add them in another order than
-        # its all-reduce. Counted as one reduce-scatter ([Note: Byte accounting]).
-        chunks = inp.chunk(self.world)
-        if out.data_ptr() != chunks[self.rank].data_ptr() or out.shape != chunks[self.rank].shape:
-            raise ValueError(
-                "on Gloo the reduce-scatter runs in place: out must be this rank's chunk of inp"
+        if self._lists:
+            chunks = list(inp.chunk(self.world))
+            work = dist.reduce_scatter(
+                out, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
-        works = [
-            dist.reduce(chunk, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            for dst, chunk in zip(self._global_ranks, chunks, strict=True)
-        ]
-        return _Pending("reduce_scatter", *cast("list[dist.Work | None]", works))
+        else:
+            work = _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Pending("reduce_scatter", cast("dist.Work | None", work))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
         """Async all-gather of every rank's ``inp`` into ``out`` (``inp`` may be this rank's
         range of ``out``: in place, as the param gathers run)."""
         self._count("all_gather", out)
-        if not self._gloo:
+        if self._lists:
+            work = dist.all_gather(
+                list(out.chunk(self.world)), inp, group=self.group, async_op=True
+            )
+        else:
             work = _all_gather(out, inp, group=self.group, async_op=True)
-            return _Pending("all_gather", cast("dist.Work | None", work))
-        # [Note: Gloo all-gather by broadcasts]
-        # Gloo's all_gather (list form and all_gather_into_tensor alike) receives into a flat
-        # buffer it allocates per call, the size of the whole output, and copies it back into
-        # the outputs: a bucket-sized allocation per bucket and step, made on Gloo's worker
-        # threads, whose pages glibc keeps (measured: 8 in-flight gathers of 16 MiB buckets
-        # left 64 MiB more resident per rank at world 2, and ran 2.5x slower than the
-        # broadcasts, 128 ms against 45 ms). So on Gloo each rank's range is broadcast from
-        # that rank, in place, into the same range of ``out`` on every other rank: no buffer,
-        # no copy-back, and the same bytes (a Gloo broadcast sends its ``S`` elements to each of
-        # the ``N - 1`` others, so a rank sends ``(N-1) * S`` in all, the ring all-gather's
-        # ``(N-1)/N`` of the buffer; ``benchmarks/wire_bytes.py`` measures both at 1.00 of the
-        # ring model). It is counted as one all-gather ([Note: Byte accounting]). NCCL
-        # all-gathers in place into ``out`` with no buffer of its own, so other backends keep the
-        # single collective.
-        chunks = out.chunk(self.world)
-        mine = chunks[self.rank]
-        if not (inp.data_ptr() == mine.data_ptr() and inp.shape == mine.shape):
-            mine.copy_(inp)
-        works = [
-            dist.broadcast(chunk, src=src, group=self.group, async_op=True)
-            for src, chunk in zip(self._global_ranks, chunks, strict=True)
-        ]
-        return _Pending("all_gather", *cast("list[dist.Work | None]", works))
+        return _Pending("all_gather", cast("dist.Work | None", work))
 
     def all_gather_into(
         self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup
@@ -201,6 +164,6 @@ class _Comm:
         """Waits for ``pending`` and records its issue-to-completion time."""
         if pending is None:
             return
-        for work in pending.works:
-            work.wait()
+        if pending.work is not None:
+            pending.work.wait()
         self.stats.seconds[pending.kind] += time.perf_counter() - pending.start

@@ -17,11 +17,11 @@ zeros, as DDP with ``find_unused_parameters=True`` does, and every remaining buc
 
 The reduce-scatter writes this rank's range into the bucket's ``grad_shard``. If the shard
 already holds a gradient not yet consumed by a step (two synchronised backwards without
-``zero_grad``), if the bucket is reduced in another dtype ([Note: Reduce dtype]), or on Gloo
-([Note: Gloo reduce-scatter by reduces] in ``shardkit.ddp._comm``), it reduces in place into
-this rank's own range of the staging buffer instead (NCCL reduce-scatters in place when the
-output is the rank's chunk of the input), which is added, cast or copied into the shard when
-the work completes: gradients accumulate as with DDP, and no temporary is allocated.
+``zero_grad``), or if the bucket is reduced in another dtype ([Note: Reduce dtype]), it reduces
+in place into this rank's own range of the staging buffer instead (NCCL and Gloo's list form
+reduce-scatter in place when the output is the rank's chunk of the input), which is added or
+cast into the shard when the work completes: gradients accumulate as with DDP, and no
+temporary is allocated.
 
 [Note: Gradients as bucket views]
 With ``gradient_as_bucket_view=True`` backward writes a param's gradient where the
@@ -462,10 +462,10 @@ class _Reducer:
         assert b.staging is not None  # every param staged (possibly zeros) before launch
         assert b.grad_shard is not None  # allocated with the reducer
         wire = self.wire_dtype(b)
-        if wire == b.dtype and b.grad_fresh and not self.comm.reduces_in_place:
+        if wire == b.dtype and b.grad_fresh:
             out = b.grad_shard
-        else:  # in place, copied or added into the shard when done ([Note: Staging and launch
-            # order], [Note: Reduce dtype], [Note: Gloo reduce-scatter by reduces])
+        else:  # in place, cast or added into the shard when done ([Note: Staging and launch
+            # order], [Note: Reduce dtype])
             out = b.staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
         b.out = out
         b.add_out = not b.grad_fresh
