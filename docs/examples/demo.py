@@ -77,6 +77,14 @@ TEXT = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 # ----------------------------------------------------------------------------- the data
 
 
+
+_BUCKET_MB = 0.25
+"""Gradient bucket cap (MiB) of both runs, sized for this small model: with DDP's default 25 MiB
+one bucket would hold the whole model, and ZeRO-2 keeps a staging pool of two buckets between
+steps (shardkit-ddp's ``keep_staging_buffers``), which on a 0.6M-param model would be two
+copies of the gradients; 0.25 MiB buckets keep it under 1 byte per param, as the default
+buckets do on a model of 30M params or more."""
+
 def read_text(path: Path = TEXT) -> str:
     """The training text: the file without its leading ``# `` source note."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -243,12 +251,12 @@ def build(name: str, cfg: GPTConfig, device: torch.device, lr: float, ckpt: Path
             state = {"model": msd, "optim": osd}
             checkpoint.load(state, ckpt / "ddp")
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-        wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True)
+        wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=_BUCKET_MB)
         return Job(name, model, wrapped, optimizer)
     if ckpt is not None:  # the weights first: ShardedDataParallel lays them out in its buckets
         checkpoint.load(model.state_dict(), ckpt / "zero2-model")
     zero = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.01)
-    wrapped = ShardedDataParallel(model, zero)
+    wrapped = ShardedDataParallel(model, zero, bucket_cap_mb=_BUCKET_MB)
     if ckpt is not None:
         load_sharded(zero, ckpt / "zero2-optimizer")  # each rank reads the shard it owns now
     return Job(name, model, wrapped, zero)
