@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["assert_state_equal", "train"]
+__all__ = ["LiveStorages", "assert_state_equal", "train"]
 
 
 def train(
@@ -41,3 +44,52 @@ def assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
                 assert torch.equal(v.cpu(), w.cpu()), (i, k)
             else:
                 assert v == w, (i, k)
+
+
+class LiveStorages(TorchDispatchMode):
+    """Peak bytes of the tensor storages allocated inside the mode and alive at once.
+
+    Every op's outputs are inspected: a storage that is neither an input's nor already tracked
+    is new (its bytes added); each output tensor referencing a tracked storage holds it, and the
+    bytes are released when the last of them is garbage collected. Storages that existed before
+    the mode (the inputs, ``out=`` targets, views of them) are never counted. Temporaries inside
+    one kernel are not seen: this measures what torch ops allocate between them, the transient
+    memory a chunked algorithm bounds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # data_ptr -> [holders, nbytes]
+
+    def _release(self, ptr: int) -> None:
+        entry = self._refs.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[ptr]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr not in self._refs:
+                if ptr in inputs or nbytes == 0:
+                    continue
+                self._refs[ptr] = [0, nbytes]
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            self._refs[ptr][0] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out

@@ -1,0 +1,315 @@
+"""Compact optimizer state (issue 40, engine core): quality, bytes per param, step time.
+
+Single process, CPU, ``torch.set_num_threads(1)``; nothing distributed (the core is not yet
+wired into ``ShardedOptimizer``). Three measurements:
+
+1. **Quality.** The demo's character-level GPT (``docs/examples/demo.py``: token and position
+   embeddings, 3 pre-norm blocks of ``nn.MultiheadAttention`` + MLP, tied head; ~0.6 M params)
+   trained on the demo's text (18 Shakespeare sonnets, the last 10 % held out) for
+   ``SHARDKIT_BENCH_COMPACT_STEPS`` steps (default 300; batch 32 windows of 64 characters, AdamW
+   lr 3e-3, weight decay 0.01) with fp32 moments (``torch.optim.AdamW``), int8 and int4 moments
+   (``compact_adam_step``, params under 4096 elements full precision), seeds 0, 1, 2 (model
+   init and batch order). Recorded: the final training loss (mean of the last 20 steps) and the
+   held-out loss, per seed; the int8 mean should be no worse than the fp32 seeds (at most
+   their maximum; whether it is within their spread is recorded too).
+2. **Bytes per param** of optimizer state (the moments; step counts are one scalar per param),
+   on the GPT (its small params stay fp32) and on a model of large matrices only.
+3. **Step time** of the optimizer step alone on 4 x ``Linear(1024, 1024)`` (4.2 M params,
+   constant random gradients): the compact step (torch's foreach and fused AdamW inside; chunks
+   of 64 Ki and 256 Ki elements) against ``torch.optim.AdamW(fused=True)`` and
+   ``(foreach=True)``, interleaved round robin (the median of ``SHARDKIT_BENCH_COMPACT_ROUNDS``
+   rounds, default 15); where the compact step's time goes (its ``shardkit.compact.*`` profiler
+   ranges: dequantize, torch's Adam, quantize); the codec alone, eager and under
+   ``torch.compile`` (bit-identical, asserted); and the whole training step of the GPT runs
+   above (forward, backward, optimizer), int8 / int4 over fp32.
+
+Run with ``python -m pytest -o python_files='bench_*.py' packages/optim/benchmarks/bench_compact.py
+-q -s`` (about 5 minutes on a loaded 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from shardkit.optim._compact import (
+    CHUNK,
+    CompactTensor,
+    _decode,
+    _encode_rows,
+    moment_formats,
+    stores_compact,
+)
+from shardkit.optim._compact_maps import lookup_tables
+from shardkit.optim._compact_step import AdamState, StepScratch, compact_adam_step
+from torch import nn
+
+_ROOT = Path(__file__).resolve().parents[3]
+_STEPS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_STEPS", "300"))
+_ROUNDS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_ROUNDS", "15"))
+_SEEDS = (0, 1, 2)
+_KINDS = ("fp32", "int8", "int4")
+
+
+def _demo() -> Any:
+    """docs/examples/demo.py as a module (its GPT, data and text reader)."""
+    spec = importlib.util.spec_from_file_location("_shardkit_demo", _ROOT / "docs/examples/demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class CompactAdamW(torch.optim.Optimizer):
+    """AdamW with compact moments, for the benchmark: one ``compact_adam_step`` per group.
+
+    Params with at least 4096 elements get ``kind`` moments, the others fp32 ones (decided on
+    the whole param, as the engine will).
+    """
+
+    def __init__(
+        self, params: Any, kind: str, impl: str = "foreach", chunk: int = CHUNK, **hp: Any
+    ) -> None:
+        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+        defaults.update(hp)
+        super().__init__(params, defaults)
+        self.kind, self.impl = kind, impl
+        self.scratch = StepScratch(chunk=chunk)
+        self.compact: dict[torch.Tensor, AdamState] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            params = group["params"]
+            for p in params:
+                if p not in self.compact:
+                    kind = self.kind if stores_compact(p.numel(), p.dtype) else None
+                    self.compact[p] = AdamState.zeros(p, kind, fused=self.impl == "fused")
+            compact_adam_step(
+                params,
+                [p.grad for p in params],
+                [self.compact[p] for p in params],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                decoupled_weight_decay=True,
+                impl=self.impl,  # type: ignore[arg-type]
+                scratch=self.scratch,
+            )
+        return None
+
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.compact.values())
+
+
+def _optimizer(
+    kind: str, params: Any, impl: str = "foreach", chunk: int = CHUNK, **hp: Any
+) -> torch.optim.Optimizer:
+    if kind == "fp32":
+        return torch.optim.AdamW(
+            params, foreach=impl == "foreach", fused=True if impl == "fused" else None, **hp
+        )
+    return CompactAdamW(params, kind, impl=impl, chunk=chunk, **hp)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    if isinstance(opt, CompactAdamW):
+        return opt.state_bytes()
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    )
+
+
+def _train(demo: Any, kind: str, seed: int) -> dict[str, float]:
+    text = demo.read_text()
+    cut = int(len(text) * 0.9)
+    train_data = demo.CharWindows(text[:cut], context=64, stride=32)
+    chars = sorted(set(text))  # one alphabet for both parts
+    lookup = {c: i for i, c in enumerate(chars)}
+    train_data.ids = torch.tensor([lookup[c] for c in text[:cut]])
+    held = torch.tensor([lookup[c] for c in text[cut:]])
+    held_windows = held.unfold(0, 65, 16)
+    cfg = demo.GPTConfig(vocab=len(chars), context=64)
+    torch.manual_seed(seed)
+    model = demo.GPT(cfg)
+    opt = _optimizer(kind, model.parameters(), lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1000 + seed)
+    losses: list[float] = []
+    tic = time.perf_counter()
+    for _ in range(_STEPS):
+        idx = torch.randint(len(train_data), (32,), generator=g)
+        batch = torch.stack([train_data[int(i)] for i in idx])
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    elapsed = time.perf_counter() - tic
+    with torch.no_grad():
+        logits = model(held_windows[:, :-1])
+        held_loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), held_windows[:, 1:].reshape(-1))
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "final_train_loss": statistics.fmean(losses[-20:]),
+        "held_out_loss": float(held_loss),
+        "state_bytes_per_param": _state_bytes(opt) / n_params,
+        "params": n_params,
+        "seconds": elapsed,
+    }
+
+
+def _step_times() -> dict[str, Any]:
+    torch.manual_seed(0)
+    configs = [
+        ("fp32_fused", "fp32", "fused", CHUNK),
+        ("fp32_foreach", "fp32", "foreach", CHUNK),
+        ("int8_foreach", "int8", "foreach", CHUNK),
+        ("int8_fused", "int8", "fused", CHUNK),
+        ("int8_fused_chunk256k", "int8", "fused", 4 * CHUNK),
+        ("int4_foreach", "int4", "foreach", CHUNK),
+        ("int4_fused", "int4", "fused", CHUNK),
+    ]
+    runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer]] = {}
+    for name, kind, impl, chunk in configs:
+        params = [nn.Parameter(torch.randn(1024, 1024) * 0.02) for _ in range(4)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        runs[name] = (params, _optimizer(kind, params, impl=impl, chunk=chunk, lr=1e-4))
+        runs[name][1].step()  # allocates the state
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(_ROUNDS):
+        order = list(runs)
+        order = order[r % len(order) :] + order[: r % len(order)]
+        for name in order:
+            t0 = time.perf_counter()
+            runs[name][1].step()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    phases: dict[str, dict[str, float]] = {}
+    for name in ("int8_foreach", "int4_foreach"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runs[name][1].step()
+        total = {
+            e.key: e.cpu_time_total / 1e3
+            for e in prof.key_averages()
+            if e.key.startswith("shardkit.compact.")
+        }
+        phases[name] = total
+    return {"median_s": med, "phases_ms": phases, "params": 4 * 1024 * 1024}
+
+
+def _codec_times() -> dict[str, float]:
+    """ns per element of one chunk's quantize / dequantize: eager, and the same pure functions
+    (``_encode_rows``, ``_decode``) under ``torch.compile`` (inductor's C++ on a CPU), which must
+    give the same bits."""
+    out: dict[str, float] = {}
+    n = 4 * CHUNK
+    for kind in ("int8", "int4"):
+        for fmt in moment_formats(kind):
+            tables = lookup_tables(fmt.map_name, torch.device("cpu"))
+            x = torch.randn(n)
+            if not fmt.qmap.signed:
+                x = x.square()
+            want = CompactTensor.from_tensor(x, fmt)
+            got = CompactTensor.zeros((n,), fmt)
+            rows = x.view(-1, fmt.block)
+            y = torch.empty(n)
+            encode = torch.compile(_encode_rows, dynamic=False)
+            decode = torch.compile(_decode, dynamic=False)
+            enc_args = (rows, got.scales, got.codes, 0, fmt.qmap, tables)
+            dec_args = (want.codes, want.scales, tables.pairs, fmt.block, y)
+            cases: list[tuple[str, Any, tuple[Any, ...]]] = [
+                ("eager_quantize", _encode_rows, enc_args),
+                ("compiled_quantize", encode, enc_args),
+                ("eager_dequantize", _decode, dec_args),
+                ("compiled_dequantize", decode, dec_args),
+            ]
+            for name, fn, args in cases:
+                fn(*args)  # compiles
+                if name.endswith("_quantize"):
+                    assert got.equal(want), (fmt.map_name, name)
+                else:
+                    assert torch.equal(y, want.dequantize()), (fmt.map_name, name)
+                ts = []
+                for _ in range(_ROUNDS):
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    ts.append(time.perf_counter() - t0)
+                out[f"{fmt.map_name}_{name}_ns_per_element"] = statistics.median(ts) / n * 1e9
+    return out
+
+
+def test_bench_compact_state(benchmark: Any) -> None:
+    torch.set_num_threads(1)
+    demo = _demo()
+    quality: dict[str, list[dict[str, float]]] = {k: [] for k in _KINDS}
+    timing: dict[str, Any] = {}
+
+    def run_all() -> None:
+        for seed in _SEEDS:
+            for kind in _KINDS:
+                quality[kind].append(_train(demo, kind, seed))
+        timing.update(_step_times())
+        timing["codec"] = _codec_times()
+
+    load_before = os.getloadavg()[0]
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    info: dict[str, Any] = {}
+    for kind in _KINDS:
+        finals = [r["final_train_loss"] for r in quality[kind]]
+        helds = [r["held_out_loss"] for r in quality[kind]]
+        info[f"{kind}_final_train_loss_mean"] = statistics.fmean(finals)
+        info[f"{kind}_final_train_loss_min"] = min(finals)
+        info[f"{kind}_final_train_loss_max"] = max(finals)
+        info[f"{kind}_held_out_loss_mean"] = statistics.fmean(helds)
+        info[f"{kind}_gpt_state_bytes_per_param"] = quality[kind][0]["state_bytes_per_param"]
+    # large matrices only: every param compact
+    big = [torch.zeros(1024, 1024)]
+    for kind, k in (("fp32", None), ("int8", "int8"), ("int4", "int4")):
+        info[f"{kind}_matrix_state_bytes_per_param"] = (
+            AdamState.zeros(big[0], k).nbytes / big[0].numel()
+        )
+    med = timing["median_s"]
+    for name in med:
+        if name.startswith("int"):
+            info[f"{name}_step_ratio_vs_fp32_fused"] = med[name] / med["fp32_fused"]
+            info[f"{name}_step_ratio_vs_fp32_foreach"] = med[name] / med["fp32_foreach"]
+    for kind in ("int8", "int4"):
+        ratios = [
+            c["seconds"] / f["seconds"] for c, f in zip(quality[kind], quality["fp32"], strict=True)
+        ]
+        info[f"{kind}_gpt_train_step_ratio_vs_fp32_foreach"] = statistics.median(ratios)
+    int8_in_spread = (
+        info["fp32_final_train_loss_min"]
+        <= info["int8_final_train_loss_mean"]
+        <= info["fp32_final_train_loss_max"]
+    )
+    info["int8_mean_within_fp32_seed_spread"] = int8_in_spread
+    info["int8_mean_at_most_fp32_seed_max"] = (
+        info["int8_final_train_loss_mean"] <= info["fp32_final_train_loss_max"]
+    )
+    info["results"] = {"quality": quality, "timing": timing, "steps": _STEPS}
+    info["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+    benchmark.extra_info.update(info)
+    print(json.dumps(info, indent=1, default=str))
+    assert all(math.isfinite(r["final_train_loss"]) for rs in quality.values() for r in rs)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q", "-s", "-o", "python_files=bench_*.py"])

@@ -1,0 +1,425 @@
+"""The Adam / AdamW step on compact state, as a pure function of what it is given (issue 40).
+
+:func:`compact_adam_step` steps a list of params (or block-aligned pieces of params: it never
+needs the whole param) whose moments are :class:`~shardkit.optim._compact.CompactTensor` (or
+plain tensors, for params that keep full-precision state), with torch's own functional Adam
+(``torch.optim.adam.adam`` / ``torch.optim.adamw.adamw``), so the fp32 math is torch's:
+single-tensor, foreach or fused, as the caller picks. It knows nothing of ranks, buckets or
+checkpoints; the engine (``ShardStepper`` / ``ShardedOptimizer``) will own the state and call it.
+
+[Note: Compact step by chunks]
+The params' element ranges are cut into *items* of at most ``chunk`` elements, at multiples of
+``chunk`` (a multiple of every block size, so every item holds whole blocks: see [Note: Blocks
+on the global flat index] in ``_compact.py``), and items are packed into *batches* of at most
+``chunk`` elements. Per batch:
+
+1. each compact moment of each item is dequantized into its slice of an fp32 scratch buffer
+   (one per moment, ``chunk`` elements, allocated once per :class:`StepScratch`); plain moments
+   are passed as views of themselves;
+2. the fp32 value being stepped is the param itself (fp32 params), its fp32 master (``masters``:
+   a bf16/fp16 model), or the master joined from a bf16 param and its int16 remainder into
+   scratch (``remainders``, see [Note: Exact 16-bit remainder masters] in ``_remainder.py``); a
+   gradient of another dtype is upcast into scratch and multiplied by ``grad_factors`` in order
+   (the loss scaler's ``1 / scale``, the clip coefficient: as ``_master.py`` does);
+3. torch's functional Adam runs once on the batch's lists, with one step tensor per item,
+   copied from the param's step count before the call (torch increments it in the call), so
+   each item gets its param's own bias correction;
+4. the moments are quantized back from scratch, and the new value is written into the model's
+   param (``param.copy_(master)``, or :func:`split_master` for remainders).
+
+After the last batch each stepped param's step count is incremented once. Params whose gradient
+is ``None`` are skipped: state, step count and value unchanged. So the result equals, bit for
+bit, torch's optimizer on the dequantized moments followed by quantizing them (the reference
+of ``tests/test_compact_step.py``): every op is element-wise, and the chunks are views.
+
+Transient memory: the scratch (``4 * chunk`` bytes per buffer: 2 moments, 3 with ``amsgrad``,
+plus grads when upcast and masters when joined), torch's temporaries for one batch, and the
+quantizer's for one item (see [Note: Bounded transient memory] in ``_compact.py``). Measured
+(``test_compact_step.py::test_step_transient_memory``, live tensor storages at their peak, any
+inner implementation): 20 bytes per chunk element for fp32 params, 24 with fp32 masters, 37
+with remainders; 1.3 / 1.5 / 2.3 MiB at the default chunk of 64 Ki elements, whatever the
+params' sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
+from shardkit.optim._remainder import join_master, split_master
+from shardkit.optim._torch_compat import profiler_range
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+
+__all__ = ["AdamState", "StepScratch", "compact_adam_step"]
+
+Impl = Literal["single", "foreach", "fused"]
+Moment = CompactTensor | torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class AdamState:
+    """The Adam / AdamW state of one param (or piece), compact or full precision."""
+
+    step: torch.Tensor
+    """0-d float32 step count, where torch keeps it (CPU; the param's device for ``fused``)."""
+    exp_avg: Moment
+    """First moment: compact (signed map) or a tensor of the stepped value's shape."""
+    exp_avg_sq: Moment
+    """Second moment: compact (unsigned map) or a tensor."""
+    max_exp_avg_sq: Moment | None = None
+    """``amsgrad``'s running maximum of the second moment (second moment's format), else None."""
+
+    @classmethod
+    def zeros(
+        cls,
+        like: torch.Tensor,
+        kind: str | None,
+        *,
+        amsgrad: bool = False,
+        fused: bool = False,
+    ) -> AdamState:
+        """Fresh state for stepping ``like`` (the fp32 value stepped: param or master).
+
+        Args:
+            like: the tensor the step updates (shape, device; its dtype for plain moments).
+            kind: ``"int8"``, ``"int4"`` or ``None`` (full precision, as torch keeps it).
+                Decide it with :func:`~shardkit.optim._compact.stores_compact` on the param's
+                *global* size.
+            amsgrad: also keep ``max_exp_avg_sq``.
+            fused: place the step count on ``like``'s device, as torch's fused Adam does.
+        """
+        step = torch.zeros((), dtype=torch.float32, device=like.device if fused else "cpu")
+        if kind is None:
+
+            def plain() -> torch.Tensor:
+                return torch.zeros_like(like, memory_format=torch.preserve_format)
+
+            return cls(step, plain(), plain(), plain() if amsgrad else None)
+        first, second = moment_formats(kind)
+        shape = tuple(like.shape)
+
+        def compact(fmt: CompactFormat) -> CompactTensor:
+            return CompactTensor.zeros(shape, fmt, like.device)
+
+        return cls(step, compact(first), compact(second), compact(second) if amsgrad else None)
+
+    def moments(self) -> list[tuple[str, Moment]]:
+        """``(name, moment)`` of the moments it holds, in torch's state-dict key names."""
+        out: list[tuple[str, Moment]] = [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        if self.max_exp_avg_sq is not None:
+            out.append(("max_exp_avg_sq", self.max_exp_avg_sq))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its moments (codes and scales for compact ones), step count excluded."""
+        return sum(
+            m.nbytes if isinstance(m, CompactTensor) else m.numel() * m.element_size()
+            for _, m in self.moments()
+        )
+
+
+@dataclass
+class StepScratch:
+    """fp32 scratch of :func:`compact_adam_step`, reusable across steps (one per device)."""
+
+    chunk: int = CHUNK
+    """Elements per buffer: the batch size of [Note: Compact step by chunks]."""
+    buffers: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
+    """Allocated on first use: ``(role, device) -> fp32 (chunk,)``."""
+    steps: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
+    """Per-item step-count copies, per device of the step counts."""
+
+    def buffer(self, role: str, device: torch.device) -> torch.Tensor:
+        """The ``role`` buffer on ``device``."""
+        key = (role, device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(self.chunk, dtype=torch.float32, device=device)
+        return self.buffers[key]
+
+    def step_copies(self, device: torch.device, n: int) -> list[torch.Tensor]:
+        """``n`` 0-d float32 tensors on ``device``."""
+        have = self.steps.setdefault(device, [])
+        while len(have) < n:
+            have.append(torch.zeros((), dtype=torch.float32, device=device))
+        return have[:n]
+
+
+@dataclass(frozen=True)
+class _Item:
+    index: int  # which param
+    lo: int  # element range [lo, hi) of it
+    hi: int
+
+
+def _items(numels: Sequence[int], stepped: Sequence[int], chunk: int) -> Iterator[list[_Item]]:
+    """Batches of items: see [Note: Compact step by chunks]."""
+    batch: list[_Item] = []
+    size = 0
+    for i in stepped:
+        for lo in range(0, numels[i], chunk):
+            hi = min(lo + chunk, numels[i])
+            if size + hi - lo > chunk:
+                yield batch
+                batch, size = [], 0
+            batch.append(_Item(i, lo, hi))
+            size += hi - lo
+    if batch:
+        yield batch
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (a param or a piece of a flat buffer)")
+    return t.view(-1)
+
+
+def _check_inputs(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    states: Sequence[AdamState],
+    masters: Sequence[torch.Tensor | None],
+    remainders: Sequence[torch.Tensor | None],
+    chunk: int,
+    impl: str,
+    amsgrad: bool,
+) -> None:
+    n = len(params)
+    for name, seq in (
+        ("grads", grads),
+        ("states", states),
+        ("masters", masters),
+        ("remainders", remainders),
+    ):
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries, params {n}: one per param")
+    if impl not in ("single", "foreach", "fused"):
+        raise ValueError(f"impl must be 'single', 'foreach' or 'fused', got {impl!r}")
+    if not isinstance(chunk, int) or chunk <= 0 or chunk % 256:
+        raise ValueError(f"chunk must be a positive multiple of 256 elements, got {chunk!r}")
+    for i, (p, g, st, m, r) in enumerate(
+        zip(params, grads, states, masters, remainders, strict=True)
+    ):
+        if m is not None and r is not None:
+            raise ValueError(f"param {i} has both a master and a remainder: give one")
+        value = p if m is None else m
+        if r is not None and (
+            p.dtype != torch.bfloat16 or r.dtype != torch.int16 or r.shape != p.shape
+        ):
+            raise TypeError(
+                f"param {i}: a remainder master needs a bf16 param and an int16 remainder of its "
+                f"shape, got {p.dtype} {tuple(p.shape)} and {r.dtype} {tuple(r.shape)}"
+            )
+        if m is not None and m.shape != p.shape:
+            raise ValueError(f"param {i}: master {tuple(m.shape)} vs param {tuple(p.shape)}")
+        if g is not None and (g.shape != p.shape or g.is_sparse):
+            raise ValueError(
+                f"param {i}: gradient must be dense with the param's shape {tuple(p.shape)}, got "
+                f"{'sparse ' if g.is_sparse else ''}{tuple(g.shape)}"
+            )
+        if amsgrad and g is not None and st.max_exp_avg_sq is None:
+            raise ValueError(
+                f"param {i}: amsgrad=True needs max_exp_avg_sq in its state "
+                f"(AdamState.zeros(..., amsgrad=True))"
+            )
+        for name, mom in st.moments():
+            if isinstance(mom, CompactTensor):
+                if mom.numel != p.numel():
+                    raise ValueError(
+                        f"param {i}: {name} stands for {mom.numel} elements, the param has "
+                        f"{p.numel()}"
+                    )
+                stepped = torch.float32 if (m is not None or r is not None) else p.dtype
+                if stepped != torch.float32:
+                    raise TypeError(
+                        f"param {i}: compact moments step an fp32 value, but the param is "
+                        f"{p.dtype} without a master; give it an fp32 master (masters=) or a "
+                        f"remainder (remainders=), or keep its state full precision"
+                    )
+            elif not isinstance(mom, torch.Tensor) or mom.shape != value.shape:
+                raise ValueError(
+                    f"param {i}: {name} must be a CompactTensor or a tensor of shape "
+                    f"{tuple(value.shape)}, got {type(mom).__name__}"
+                )
+
+
+def compact_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    states: Sequence[AdamState],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = False,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    impl: Impl = "foreach",
+    masters: Sequence[torch.Tensor | None] | None = None,
+    remainders: Sequence[torch.Tensor | None] | None = None,
+    grad_factors: Sequence[torch.Tensor] = (),
+    scratch: StepScratch | None = None,
+) -> None:
+    """One Adam (``decoupled_weight_decay=False``) or AdamW step of ``params``, in place.
+
+    See [Note: Compact step by chunks]. Hyper-parameters are torch's ``Adam`` / ``AdamW``
+    ones (one param group per call).
+
+    Args:
+        params: the model's params (or contiguous pieces of them). fp32 ones are stepped in
+            place; bf16/fp16 ones need a master or a remainder when their state is compact.
+        grads: their gradients (``None``: not stepped, state unchanged).
+        states: their state (:meth:`AdamState.zeros` before the first step).
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``.
+        decoupled_weight_decay: AdamW's weight decay (``torch.optim.AdamW``).
+        impl: which of torch's implementations steps each batch: ``"single"``
+            (``foreach=False``), ``"foreach"`` or ``"fused"``.
+        masters: per param, its fp32 master (stepped; then cast into the param) or ``None``.
+        remainders: per param, the int16 remainder of a bf16 param (see ``_remainder.py``) or
+            ``None``; the param and remainder are rewritten from the stepped master.
+        grad_factors: 0-d tensors multiplying the upcast fp32 gradients of params with a master
+            or remainder, in order (a loss scaler's ``1 / scale``, a clip coefficient).
+        scratch: buffers to reuse across calls (a new one per call when ``None``).
+    """
+    n = len(params)
+    masters = [None] * n if masters is None else list(masters)
+    remainders = [None] * n if remainders is None else list(remainders)
+    scratch = StepScratch() if scratch is None else scratch
+    _check_inputs(params, grads, states, masters, remainders, scratch.chunk, impl, amsgrad)
+    stepped = [i for i in range(n) if grads[i] is not None]
+    if not stepped:
+        return
+    functional = adamw if decoupled_weight_decay else adam
+    numels = [p.numel() for p in params]
+    for batch in _items(numels, stepped, scratch.chunk):
+        _step_batch(
+            batch,
+            params,
+            grads,
+            states,
+            masters,
+            remainders,
+            grad_factors,
+            scratch,
+            functional,
+            dict(
+                foreach=impl == "foreach",
+                fused=impl == "fused",
+                capturable=False,
+                differentiable=False,
+                amsgrad=amsgrad,
+                beta1=betas[0],
+                beta2=betas[1],
+                lr=lr,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+            ),
+        )
+    for i in stepped:
+        states[i].step.add_(1)
+
+
+def _step_batch(
+    batch: list[_Item],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    states: Sequence[AdamState],
+    masters: Sequence[torch.Tensor | None],
+    remainders: Sequence[torch.Tensor | None],
+    grad_factors: Sequence[torch.Tensor],
+    scratch: StepScratch,
+    functional: Callable[..., None],
+    kwargs: dict[str, Any],
+) -> None:
+    """Steps 1-4 of [Note: Compact step by chunks] for one batch."""
+    amsgrad = bool(kwargs["amsgrad"])
+    values: list[torch.Tensor] = []
+    gs: list[torch.Tensor] = []
+    moments: dict[str, list[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": [], "max_exp_avg_sq": []}
+    steps: list[torch.Tensor] = []
+    offsets: list[int] = []
+    off = 0
+    with profiler_range("shardkit.compact.dequantize"):
+        for item in batch:
+            i, lo, hi = item.index, item.lo, item.hi
+            p, m, r, st = params[i], masters[i], remainders[i], states[i]
+            device = p.device
+            sl = slice(off, off + hi - lo)
+            if m is not None:
+                value = _flat(m, f"master {i}")[lo:hi]
+            elif r is not None:
+                value = join_master(
+                    _flat(p, f"param {i}")[lo:hi],
+                    _flat(r, f"remainder {i}")[lo:hi],
+                    out=scratch.buffer("value", device)[sl],
+                )
+            else:
+                value = _flat(p, f"param {i}")[lo:hi]
+            grad = grads[i]
+            assert grad is not None  # only stepped params make items
+            g = _flat(grad, f"grad {i}")[lo:hi]
+            if m is not None or r is not None:
+                up = scratch.buffer("grad", device)[sl]
+                up.copy_(g)
+                for factor in grad_factors:  # one multiply each, in order: as _master.py does
+                    up.mul_(factor.to(device=device, dtype=torch.float32))
+                g = up
+            for name, mom in st.moments()[: 3 if amsgrad else 2]:
+                if isinstance(mom, CompactTensor):
+                    buf = scratch.buffer(name, device)[sl]
+                    mom.dequantize_range(lo, hi, buf)
+                    moments[name].append(buf)
+                else:
+                    moments[name].append(_flat(mom, f"{name} of param {i}")[lo:hi])
+            values.append(value)
+            gs.append(g)
+            offsets.append(off)
+            off += hi - lo
+        for item, copy in zip(batch, _step_copies(batch, states, scratch), strict=True):
+            copy.copy_(states[item.index].step)
+            steps.append(copy)
+    with profiler_range("shardkit.compact.adam"):
+        functional(
+            values,
+            gs,
+            moments["exp_avg"],
+            moments["exp_avg_sq"],
+            moments["max_exp_avg_sq"],
+            steps,
+            has_complex=any(torch.is_complex(v) for v in values),
+            **kwargs,
+        )
+    with profiler_range("shardkit.compact.quantize"):
+        for k, item in enumerate(batch):
+            i, lo, hi = item.index, item.lo, item.hi
+            for name, mom in states[i].moments()[: 3 if amsgrad else 2]:
+                if isinstance(mom, CompactTensor):
+                    mom.quantize_range_(lo, moments[name][k])
+            if masters[i] is not None:
+                _flat(params[i], f"param {i}")[lo:hi].copy_(values[k])
+            elif (r := remainders[i]) is not None:
+                split_master(
+                    values[k],
+                    _flat(params[i], f"param {i}")[lo:hi],
+                    _flat(r, f"remainder {i}")[lo:hi],
+                )
+
+
+def _step_copies(
+    batch: list[_Item], states: Sequence[AdamState], scratch: StepScratch
+) -> list[torch.Tensor]:
+    """One step-count copy per item, on its step count's device."""
+    out: list[torch.Tensor] = []
+    used: dict[torch.device, int] = {}
+    for item in batch:
+        device = states[item.index].step.device
+        k = used.get(device, 0)
+        out.append(scratch.step_copies(device, k + 1)[k])
+        used[device] = k + 1
+    return out
