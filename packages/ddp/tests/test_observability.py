@@ -1,5 +1,5 @@
 """Profiler ranges and once-only logs of ``shardkit.ddp`` (see [Note: Profiler ranges] in
-``shardkit.ddp._ranges``).
+``shardkit.ddp._profiling``).
 
 Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
 ``shardkit.testing.captured_logs("shardkit.ddp")`` does its job there.

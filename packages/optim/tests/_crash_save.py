@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import sys
 
+import shardkit.checkpoint._commit as _commit
 import torch
 import torch.distributed as dist
 from _optim_testkit import train
-import shardkit.checkpoint._commit as _commit
 from shardkit.optim import ShardedOptimizer, save_sharded
 from torch import nn
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from _optim_testkit import train
 from shardkit.optim import ShardedOptimizer, agree_call
-from shardkit.optim._agreement import _CALLS
+from shardkit.optim._agreement import CONSOLIDATE_CALL, STEP_CALL
 from shardkit.optim._exchange import GaveUp, _Channel, channel
 from shardkit.optim._torch_compat import default_store
 from shardkit.partition import all_gather_objects
@@ -202,17 +202,17 @@ def test_the_protocol_on_a_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
     group = dist.new_group([0, 1])
     assert channel(group).poll is False
     timeout = timedelta(seconds=1)
-    agree_call(_CALLS[0], group, timeout)
+    agree_call(STEP_CALL, group, timeout)
     if rank == 0:
         with pytest.raises(RuntimeError, match=r"waited 0:00:01 .* global rank\(s\) \[1\] did not"):
-            agree_call(_CALLS[1], group, timeout)
+            agree_call(CONSOLIDATE_CALL, group, timeout)
     else:
         time.sleep(2.0)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="different collective calls"):
-            agree_call(_CALLS[0], group, timeout)
+            agree_call(STEP_CALL, group, timeout)
         assert time.monotonic() - start < 1.0
-    assert agree_call(_CALLS[0], group, timeout, digest=5) == (1, 0, 0)
+    assert agree_call(STEP_CALL, group, timeout, digest=5) == (1, 0, 0)
     dist.barrier()
 
 
@@ -229,7 +229,7 @@ def test_a_store_failure_names_the_call_and_the_store(monkeypatch: pytest.Monkey
         match=r"called ShardedOptimizer\.step\(\), but its call agreement lost the c10d store "
         r"\(DistNetworkError: Connection reset by peer\)",
     ):
-        agree_call(_CALLS[0], group, timedelta(seconds=1))
+        agree_call(STEP_CALL, group, timedelta(seconds=1))
 
 
 def test_records_round_trip() -> None:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _optim_testkit import assert_state_equal
 from shardkit.optim import (
-    SafeFileSystemReader,
     ShardedOptimizer,
     UnsafeCheckpointError,
     load_consolidated,

@@ -1,4 +1,4 @@
-"""Profiler ranges (see [Note: Profiler ranges] in ``shardkit.overlap._ranges``) and the
+"""Profiler ranges (see [Note: Profiler ranges] in ``shardkit.overlap._profiling``) and the
 once-only logs of the step placements that leave the hooks ([Note: Step placement]).
 
 Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):

@@ -844,7 +844,7 @@ def _trace_names(path: Path) -> set[str]:
 
 
 def _body_profiler_trace_shows_step_phases(rank: int, trace_dir: str) -> None:
-    """See [Note: Profiler ranges]: the trainer's trace shows the step, one request per owner and
+    """See [Note: RPC profiler ranges]: the trainer's trace shows the step, one request per owner and
     the wait; an owner's (all threads) shows the step it applied."""
     owner_config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
     cpu = [torch.profiler.ProfilerActivity.CPU]

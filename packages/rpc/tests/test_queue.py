@@ -159,7 +159,7 @@ def _until(condition: Any) -> None:
 
 def test_waiting_for_a_turn_shows_in_a_profiler_trace() -> None:
     """A `run` caller that finds the queue busy waits inside a `shardkit.rpc.owner.wait_turn`
-    range (see [Note: Profiler ranges]); RPC server threads are not the profiler's, hence
+    range (see [Note: RPC profiler ranges]); RPC server threads are not the profiler's, hence
     `profile_all_threads`."""
     queue = SerialQueue()
     gate = threading.Event()

@@ -19,7 +19,7 @@ from shardkit.rpc import (
     _logging,
     _optimizer,
     _owner,
-    _ranges,
+    _profiling,
     _script_step,
 )
 from shardkit.rpc._keys import param_key, remap_key, split_param_key
@@ -187,7 +187,7 @@ def test_script_step_fallback_is_logged(
     assert all("Python RPC calls" in text for _, text in messages)
 
 
-# -- logging and profiler ranges (see [Note: Profiler ranges]) ------------------------------------
+# -- logging and profiler ranges (see [Note: RPC profiler ranges]) ------------------------------------
 
 
 @pytest.fixture
@@ -268,9 +268,9 @@ def test_profiling_without_the_flag_records_always_and_logs_once(
 
 
 def test_phase_is_a_range_only_while_profiling() -> None:
-    assert _ranges.phase("shardkit.rpc.test") is _ranges._NO_RANGE
+    assert _profiling.phase("shardkit.rpc.test") is _profiling._NO_RANGE
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with _ranges.phase("shardkit.rpc.test"):
+        with _profiling.phase("shardkit.rpc.test"):
             torch.ones(2).add_(1)
     names = {event.name for event in prof.events()}
     assert "shardkit.rpc.test" in names, sorted(names)

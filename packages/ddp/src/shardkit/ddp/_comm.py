@@ -6,7 +6,7 @@ rank for a buffer of ``B`` bytes over ``N`` ranks: reduce-scatter and all-gather
 ``(N-1)/N * B``, all-reduce ``2(N-1)/N * B``, broadcast ``(N-1)/N * B`` (a pipelined chain,
 averaged over the ranks). These are the bytes a bandwidth-optimal implementation puts on the
 wire; Gloo's reduce-scatter is not bandwidth-optimal: it sends twice the ring figure (as much
-as an all-reduce of the buffer), so on Gloo a step sends ~1.5x the counted bytes (measured by
+as an all-reduce of the buffer), so on Gloo a step sends more than the counted bytes (measured by
 ``benchmarks/wire_bytes.py``, see the README). The time from issue to completion is recorded
 by kind when the package waits on a work.
 """
@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from shardkit.optim import all_gather_single, global_rank, reduce_scatter_single
 
 __all__ = ["CommStats"]
 
@@ -64,10 +65,6 @@ _RING: dict[str, Callable[[int], float]] = {
     "broadcast": lambda n: (n - 1) / n,
 }
 
-_reduce_scatter: Callable[..., Any] = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
-)
-_all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class _Pending:
@@ -89,15 +86,14 @@ class _Comm:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = CommStats()
-        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
         # [Note: Gloo list collectives]
         # Gloo implements reduce_scatter_tensor / all_gather_into_tensor through an extra
-        # full-buffer pass and is 3-5x slower than its list forms on CPU (measured: a 5.6 MB
-        # reduce-scatter 43 ms vs 11 ms, all-gather 27 ms vs 5 ms, world 2); the list forms take
-        # views of the same buffer. Same bytes, same sums. Both forms allocate inside Gloo, per
-        # call: its reduce-scatter clones the ``N - 1`` chunks of the input it does not own and
-        # its all-gather receives into a buffer of the whole output, then copies back (issue 37
-        # measured what that does to resident memory on CPU: the ddp README's memory section).
+        # full-buffer pass, several times slower than its list forms on CPU (the README's
+        # figures); the list forms take views of the same buffer. Same bytes, same sums. Both
+        # forms allocate inside Gloo, per call: its reduce-scatter clones the ``N - 1`` chunks
+        # of the input it does not own and its all-gather receives into a buffer of the whole
+        # output, then copies back (what that does to resident memory on CPU: the README's
+        # memory section).
         # That is Gloo's, and stays: NCCL, what GPU users run, reduce-scatters and all-gathers
         # in place with no buffer of its own.
         self._lists = dist.get_backend(group) == "gloo"
@@ -126,7 +122,7 @@ class _Comm:
                 out, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
         else:
-            work = _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Pending("reduce_scatter", cast("dist.Work | None", work))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
@@ -138,7 +134,7 @@ class _Comm:
                 list(out.chunk(self.world)), inp, group=self.group, async_op=True
             )
         else:
-            work = _all_gather(out, inp, group=self.group, async_op=True)
+            work = all_gather_single(out, inp, group=self.group, async_op=True)
         return _Pending("all_gather", cast("dist.Work | None", work))
 
     def all_gather_into(
@@ -158,7 +154,7 @@ class _Comm:
     def broadcast(self, t: torch.Tensor, src_group_rank: int) -> None:
         """Blocking broadcast from group rank ``src_group_rank`` (buffers, startup sync)."""
         self._count("broadcast", t)
-        dist.broadcast(t, src=self._global_ranks[src_group_rank], group=self.group)
+        dist.broadcast(t, src=global_rank(self.group, src_group_rank), group=self.group)
 
     def wait(self, pending: _Pending | None) -> None:
         """Waits for ``pending`` and records its issue-to-completion time."""

@@ -25,7 +25,7 @@ import torch
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
 from shardkit.ddp._layout import _Bucket
-from shardkit.ddp._ranges import phase
+from shardkit.ddp._profiling import phase
 from torch import nn
 
 __all__: list[str] = []

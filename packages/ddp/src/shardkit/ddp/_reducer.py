@@ -93,7 +93,7 @@ from typing import Any, cast
 import torch
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._layout import _Bucket
-from shardkit.ddp._ranges import phase
+from shardkit.ddp._profiling import phase
 from shardkit.optim import queue_end_of_backward
 
 __all__: list[str] = []
@@ -193,7 +193,8 @@ class _WeakHook:
     torch keeps a param's post-accumulate-grad hooks where the garbage collector cannot see
     them, so a hook that refers (through the reducer, its buckets) back to the param forms a
     cycle that is never collected: every ``ShardedDataParallel`` built in a process, its model
-    and its optimizer would stay alive for good (measured: a dropped wrapper was never freed).
+    and its optimizer would stay alive for good (``tests/test_gather.py`` checks that a dropped
+    wrapper is freed).
     The hook holds the reducer weakly instead; the wrapper holds it strongly. The tensor hooks
     (``register_hook``) are visible to the collector and hold it directly.
     """
@@ -537,8 +538,8 @@ class _Reducer:
     # (views of one buffer per dtype and device), so no step allocates a bucket-sized tensor. A
     # buffer freed and allocated again every step costs a caching allocator (CUDA) reserved
     # memory only; on CPU glibc keeps the freed pages resident and, as other sizes come and go
-    # in between (autograd's gradients), hands out new ones: issue 37 measured 17.4 B/param peak
-    # resident at 10.0 B/param live with the pool freed every step. One block apiece also keeps
+    # in between (autograd's gradients), hands out new ones (the README's memory section has
+    # the figures). One block apiece also keeps
     # these long-lived buffers out of the heap that the per-step gradients churn through (glibc
     # maps a block of 32 MiB or more on its own).
     #

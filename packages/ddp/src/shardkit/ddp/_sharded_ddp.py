@@ -26,7 +26,7 @@ from shardkit.ddp._comm import CommStats, _Comm
 from shardkit.ddp._gather import _ParamGather
 from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
-from shardkit.ddp._ranges import phase
+from shardkit.ddp._profiling import phase
 from shardkit.ddp._reducer import _Reducer, check_clip, is_placeholder
 from shardkit.ddp._unit import _Host, _Unit
 from shardkit.optim import (
@@ -501,7 +501,7 @@ class ShardedDataParallel(nn.Module):
             with torch.enable_grad():
                 loss = closure()
             self.last_closure_loss = loss
-        with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._ranges
+        with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._profiling
             # Hyper-parameters, requires_grad and the call itself, agreed before any shard
             # moves (shardkit-optim's [Note: Call agreement]).
             unit.opt.check_step(self._trainable_error(unit))

@@ -28,7 +28,8 @@ from shardkit.optim._checkpoint import (
     load_sharded,
     save_sharded,
 )
-from shardkit.optim._compat import OSS, ZeroRedundancyOptimizer
+from shardkit.optim._aliases import OSS, ZeroRedundancyOptimizer
+from shardkit.optim._dist import global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._flat import (
     ELEMENTWISE_OPTIMIZERS,
@@ -46,7 +47,12 @@ from shardkit.optim._shard_state import (
 )
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
-from shardkit.optim._torch_compat import profiler_range, queue_end_of_backward
+from shardkit.optim._profiling import profiler_range
+from shardkit.optim._torch_compat import (
+    all_gather_single,
+    queue_end_of_backward,
+    reduce_scatter_single,
+)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -67,12 +73,14 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "__version__",
     "agree_call",
+    "all_gather_single",
     "agree_outcome",
     "agree_values",
     "build_flat_buckets",
     "checkpoint_part",
     "describe_difference",
     "gather_full_state_dict",
+    "global_rank",
     "hyperparam_digest",
     "hyperparams",
     "is_elementwise",
@@ -81,6 +89,7 @@ __all__ = [
     "load_sharded",
     "profiler_range",
     "queue_end_of_backward",
+    "reduce_scatter_single",
     "register_call",
     "register_error_type",
     "save_sharded",

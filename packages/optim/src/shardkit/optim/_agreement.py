@@ -65,6 +65,7 @@ from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._dist import global_rank
 from shardkit.optim._exchange import GaveUp, exchange
 from shardkit.optim._state import _hyperparams
 from shardkit.optim._torch_compat import all_gather_single
@@ -275,16 +276,17 @@ def _code(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 2
 
 
-_CALLS = (
-    register_call("ShardedOptimizer.step()"),
-    register_call("ShardedOptimizer.consolidate_state_dict()"),
-    register_call("ShardedOptimizer.state_dict() (implicit consolidation onto every rank)"),
-    register_call("shardkit.optim.save_sharded()"),
-    register_call("shardkit.optim.load_sharded()"),
-    register_call("ShardedOptimizer.master_model_state_dict()"),
-    register_call(
-        "ShardedOptimizer repartition (add_param_group / refresh_trainable / set_partition)"
-    ),
+# The collective entry points of shardkit-optim, agreed with :func:`agree_call`.
+STEP_CALL = register_call("ShardedOptimizer.step()")
+CONSOLIDATE_CALL = register_call("ShardedOptimizer.consolidate_state_dict()")
+IMPLICIT_CONSOLIDATE_CALL = register_call(
+    "ShardedOptimizer.state_dict() (implicit consolidation onto every rank)"
+)
+SAVE_SHARDED_CALL = register_call("shardkit.optim.save_sharded()")
+LOAD_SHARDED_CALL = register_call("shardkit.optim.load_sharded()")
+MASTER_STATE_DICT_CALL = register_call("ShardedOptimizer.master_model_state_dict()")
+REPARTITION_CALL = register_call(
+    "ShardedOptimizer repartition (add_param_group / refresh_trainable / set_partition)"
 )
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
@@ -369,7 +371,7 @@ def agree_call(
 
 
 def _ranks_text(group: dist.ProcessGroup, ranks: Sequence[int]) -> str:
-    return str([dist.get_global_rank(group, r) for r in ranks])
+    return str([global_rank(group, r) for r in ranks])
 
 
 def _gave_up(call: str, group: dist.ProcessGroup, wait: timedelta, gave_up: GaveUp) -> RuntimeError:
@@ -379,7 +381,7 @@ def _gave_up(call: str, group: dist.ProcessGroup, wait: timedelta, gave_up: Gave
     else:
         head = (
             f"global rank {dist.get_rank()} called {call}; global rank "
-            f"{dist.get_global_rank(group, gave_up.rank)} waited "
+            f"{global_rank(group, gave_up.rank)} waited "
             f"{timedelta(seconds=gave_up.waited_s)} in it too and gave up"
         )
     return RuntimeError(
@@ -397,7 +399,7 @@ def _gave_up(call: str, group: dist.ProcessGroup, wait: timedelta, gave_up: Gave
 def _came_late(call: str, group: dist.ProcessGroup, late: GaveUp) -> RuntimeError:
     """The error of a rank that reaches ``call`` after another rank gave up waiting for it."""
     theirs = _NAMES.get(late.values[0], "an unknown call")
-    who = f"global rank {dist.get_global_rank(group, late.rank)}"
+    who = f"global rank {global_rank(group, late.rank)}"
     waited = timedelta(seconds=late.waited_s)
     if theirs != call:
         return RuntimeError(
@@ -435,7 +437,7 @@ def agree_step(
     """
     digest = hyperparam_digest(param_groups)
     same, any_changed, any_sparse = agree_call(
-        _CALLS[0], group, timeout, digest=digest, changed=changed, flag=sparse is not None
+        STEP_CALL, group, timeout, digest=digest, changed=changed, flag=sparse is not None
     )
     if not same:
         gathered = all_gather_objects([_hyperparams(g) for g in param_groups], group)

@@ -49,7 +49,8 @@ from shardkit.checkpoint import (
     to_record,
 )
 from shardkit.optim._agreement import (
-    _CALLS,
+    LOAD_SHARDED_CALL,
+    SAVE_SHARDED_CALL,
     Outcome,
     agree_call,
     agree_outcome,
@@ -200,7 +201,7 @@ def save_sharded(optimizer: ShardedCheckpointable, path: str | os.PathLike[str])
     _require_numpy("save_sharded")
     group = optimizer.group
     # Every rank in this call, within collective_timeout: see [Note: Call agreement].
-    agree_call(_CALLS[3], group, optimizer.collective_timeout)
+    agree_call(SAVE_SHARDED_CALL, group, optimizer.collective_timeout)
     final = Path(path)
     what = f"save_sharded({final})"
     local = optimizer.local_state_dict()
@@ -504,7 +505,7 @@ def load_sharded(
             an opt-in above. Raised on every rank, naming the item or field.
     """
     _require_numpy("load_sharded")
-    agree_call(_CALLS[4], optimizer.group, optimizer.collective_timeout)  # [Note: Call agreement]
+    agree_call(LOAD_SHARDED_CALL, optimizer.group, optimizer.collective_timeout)  # [Note: Call agreement]
     group = optimizer.group
     params = [p for g in optimizer.param_groups for p in g["params"]]
     error: Exception | None = None

@@ -86,9 +86,9 @@ CHUNK = 64 * 1024
 """Elements quantized or dequantized at a time (a multiple of every block size)."""
 
 TRANSIENT_BYTES_PER_ELEMENT = 17
-"""Bound on the live temporaries of one chunk, in bytes per chunk element (measured: 12.1 to
-quantize an fp32 chunk, 16.1 from bf16, 8 to dequantize 8-bit codes, 6 for 4-bit ones; see
-[Note: Bounded transient memory])."""
+"""Bound on the live temporaries of one chunk, in bytes per chunk element, which
+``tests/test_compact_quant.py`` holds the quantizer to (the optim README has the measured
+figures; see [Note: Bounded transient memory])."""
 
 COMPACT_MIN_NUMEL = 4096
 """Params with fewer elements keep full-precision state (bitsandbytes' ``min_8bit_size``)."""

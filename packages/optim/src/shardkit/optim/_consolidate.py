@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim._dist import _comm_device, _global_rank
+from shardkit.optim._dist import _comm_device, global_rank
 from shardkit.partition import all_gather_objects
 
 __all__: list[str] = []
@@ -191,7 +191,7 @@ def _consolidate(
 
     for src in range(world):
         _, src_tensors, src_values, _, _ = gathered[src]
-        src_global = _global_rank(group, src)
+        src_global = global_rank(group, src)
         if out is not None:
             for idx, vals in src_values.items():
                 out.setdefault(idx, {}).update(vals)
@@ -225,7 +225,7 @@ def _consolidate(
                         if host is not None:
                             host[off : off + n].copy_(wire)
                     else:
-                        dst = _global_rank(group, recipient)
+                        dst = global_rank(group, recipient)
                         work = dist.isend(wire, dst=dst, group=group, tag=tag)
                         if work is not None and gloo_direct:
                             works.append(work)

@@ -7,13 +7,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__: list[str] = []
+__all__ = ["global_rank"]
 
 
 # [Note: Rank numbering]
 # Everything the optimizer stores (``rank``, partition owners, ``recipient_rank``) is a rank
 # *within the optimizer's group*. torch's collectives take global ranks for ``src``/``dst``, so
-# every call site translates with ``_global_rank`` right before the collective and nowhere else.
+# every call site translates with ``global_rank`` right before the collective and nowhere else.
 # With the default group both numberings coincide, which is why a missing translation only shows
 # up with sub groups (tested with a group of ranks {1, 2} out of a world of 3).
 
@@ -38,8 +38,9 @@ def _resolve_group(group: Any) -> dist.ProcessGroup:
     return group
 
 
-def _global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """Translates a rank of ``group`` into the global numbering. See [Note: Rank numbering]."""
+def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    """Translates a rank of ``group`` into the global numbering, as torch's collectives take
+    ``src`` / ``dst``. See [Note: Rank numbering]."""
     return dist.get_global_rank(group, group_rank)
 
 

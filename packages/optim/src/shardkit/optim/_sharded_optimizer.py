@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import (
-    _CALLS,
+    REPARTITION_CALL,
     agree_call,
     agree_step,
     agree_values,
@@ -42,6 +42,7 @@ from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._exchange import channel
 from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed
+from shardkit.optim._profiling import profiler_range
 from shardkit.optim._master import (
     _WIRE_KEY,
     _Masters,
@@ -61,21 +62,12 @@ from shardkit.optim._state_dict import _StateDictMixin
 from shardkit.optim._sync import _ParamSync
 from shardkit.partition import check_consistent
 from torch.optim import Optimizer
-from torch.profiler import record_function
 
 __all__ = ["ShardedOptimizer"]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_repartition = False
 
-# [Note: Profiler ranges]
-# Every phase of a step runs under ``torch.profiler.record_function`` so that a profiler trace
-# shows where a step's time goes: ``shardkit.optim.agree`` (the per-step agreement
-# collective), ``shardkit.optim.local_step`` (the wrapped optimizer on this rank's shard),
-# ``shardkit.optim.sync`` (the owners' broadcasts of updated params; launch only with
-# ``async_op``), plus ``shardkit.optim.clip_grad_norm`` and ``shardkit.optim.consolidate``.
-# The gradient reduction is DDP's (or shardkit-overlap's comm hook's) and shows under their
-# names. A range costs about a microsecond when no profiler is running.
 
 
 class ShardedOptimizer(_StateDictMixin, Optimizer):
@@ -179,8 +171,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._initialized = False
         self._state_version = 0
         self._consolidated: tuple[int, dict[str, Any]] | None = None
-        # (state version, recipient, implicit) of the last consolidation: see
-        # [Note: Implicit consolidation]
+        # (state version, recipient, implicit) of the last consolidation. See
+        # [Note: Implicit consolidation] in _state_dict.py.
         self._last_consolidation: tuple[int, int, bool] | None = None
         self._state_flag = _StateFlag()  # see [Note: State truthiness]
         # See [Note: Imposed partition]: (param ids, requires_grad mask, owners, order).
@@ -200,7 +192,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
     def _rebuild(self, migrate: bool) -> None:
         """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
         if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
-            agree_call(_CALLS[6], self.group, self._timeout)
+            agree_call(REPARTITION_CALL, self.group, self._timeout)
         params = [p for g in self.param_groups for p in g["params"]]
         mask = bytes(int(p.requires_grad) for p in params)
         not_dense = [(i, p.layout) for i, p in enumerate(params) if p.layout != torch.strided]
@@ -329,7 +321,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                 in the message), or ranks passing different values (raised on every rank).
         """
         self._refuse_repartition("set_partition")
-        agree_call(_CALLS[6], self.group, self._timeout)  # See [Note: Call agreement]
+        agree_call(REPARTITION_CALL, self.group, self._timeout)  # See [Note: Call agreement]
         params = [p for g in self.param_groups for p in g["params"]]
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
         agree_values(
@@ -427,7 +419,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
                     f"unsharded optimizer."
                 )
             changed |= repartition and p.requires_grad != self._layout.trainable[i]
-        with record_function("shardkit.optim.agree"):
+        with profiler_range("shardkit.optim.agree"):
             changed = agree_step(self.param_groups, changed, error, self.group, self._timeout)
         if changed:
             global _logged_repartition
@@ -461,7 +453,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         """
         self._push_hyperparams()
         try:
-            with record_function("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
+            with profiler_range("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
                 if self._masters is None:
                     loss = self._step_narrowed(params, closure, **kwargs)
                 else:
@@ -536,7 +528,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         sent, one broadcast per contiguous run of them per owner. With ``async_op`` the works
         are returned unwaited.
         """
-        with record_function("shardkit.optim.sync"):
+        with profiler_range("shardkit.optim.sync"):
             return self._sync.sync(params, async_op=async_op)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -719,7 +711,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         owned = {id(p) for p in self.owned_params}
-        with record_function("shardkit.optim.clip_grad_norm"):
+        with profiler_range("shardkit.optim.clip_grad_norm"):
             return _clip_grad_norm(
                 [p for p in params if id(p) in owned],
                 params,

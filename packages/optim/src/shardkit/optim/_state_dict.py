@@ -14,7 +14,12 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from shardkit.optim._agreement import _CALLS, agree_call
+from shardkit.optim._agreement import (
+    CONSOLIDATE_CALL,
+    IMPLICIT_CONSOLIDATE_CALL,
+    MASTER_STATE_DICT_CALL,
+    agree_call,
+)
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._driver import ShardLayout, ShardOwner
 from shardkit.optim._master import (
@@ -23,6 +28,7 @@ from shardkit.optim._master import (
     check_master_values,
     split_wire,
 )
+from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import (
     _hyperparams,
     _install_state,
@@ -32,7 +38,6 @@ from shardkit.optim._state import (
 )
 from torch import nn
 from torch.optim import Optimizer
-from torch.profiler import record_function
 
 __all__: list[str] = []
 
@@ -118,7 +123,7 @@ class _StateDictMixin:
                 (save those with :meth:`local_state_dict` on each owner instead).
         """
         # Every rank in this call, within collective_timeout: see [Note: Call agreement].
-        agree_call(_CALLS[1], self.group, self._timeout)
+        agree_call(CONSOLIDATE_CALL, self.group, self._timeout)
         # Bad arguments raise on every rank: the error rides on the metadata exchange, which
         # every rank reaches, so a rank with valid arguments never waits for a crashed one.
         error: Exception | None = None
@@ -155,7 +160,7 @@ class _StateDictMixin:
             self._last_consolidation = (self._state_version, recipient_rank, False)
             return
         local = self._owned_entries()
-        with record_function("shardkit.optim.consolidate"):  # See [Note: Profiler ranges]
+        with profiler_range("shardkit.optim.consolidate"):  # See [Note: Profiler ranges]
             full = _consolidate(
                 local,
                 self.group,
@@ -206,7 +211,7 @@ class _StateDictMixin:
                 "the full optimizer state onto every rank (a collective: every rank calls "
                 "state_dict(), as torch.distributed.checkpoint.state_dict does)"
             )
-        agree_call(_CALLS[2], self.group, self._timeout)  # See [Note: Call agreement]
+        agree_call(IMPLICIT_CONSOLIDATE_CALL, self.group, self._timeout)  # See [Note: Call agreement]
         _StateDictMixin.consolidate_state_dict(self, recipient_rank=-1)
         self._last_consolidation = (self._state_version, -1, True)
 
@@ -343,7 +348,7 @@ class _StateDictMixin:
             RuntimeError: the optimizer has no master weights (``master_dtype=None``).
         """
         masters = self._require_masters("master_model_state_dict")
-        agree_call(_CALLS[5], self.group, self._timeout)  # See [Note: Call agreement]
+        agree_call(MASTER_STATE_DICT_CALL, self.group, self._timeout)  # See [Note: Call agreement]
         index = {id(p): i for i, p in enumerate(self._layout.params)}
         local: dict[int, dict[str, Any]] = {}
         for i in self._layout.owned(self.rank):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from shardkit.buckets import ParamBucket
-from shardkit.optim._dist import _global_rank
+from shardkit.optim._dist import global_rank
 from shardkit.optim._driver import ShardLayout
 
 __all__: list[str] = []
@@ -175,7 +175,7 @@ class _ParamSync:
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, lo, hi in spans:
             view = entry.bucket.buffer[lo:hi]
-            src = _global_rank(self._group, entry.owner)
+            src = global_rank(self._group, entry.owner)
             if self._broadcast_fp16 and view.dtype in (torch.float32, torch.float64):
                 # The owner sends a rounded copy but keeps its exact values; receivers copy the
                 # rounded values into their full-precision buffer.

@@ -1,6 +1,7 @@
 """The one place shardkit-optim reads torch internals (and, through its public API, the
-distributions built on it: shardkit-ddp and shardkit-overlap use :func:`queue_end_of_backward`
-and :func:`profiler_range` from here instead of keeping copies).
+distributions built on it: shardkit-ddp and shardkit-overlap use :func:`queue_end_of_backward`,
+the profiler flag through ``shardkit.optim.profiler_range`` and the collective shims from here
+instead of keeping copies).
 
 * ``torch.autograd.Variable._execution_engine.queue_callback``: runs a function once the  # noqa: SLF001 (pinned torch internal)
   autograd engine has finished the current backward pass, after the callbacks queued before it
@@ -31,10 +32,8 @@ unscale master-weight gradients in fp32 (see [Note: Master weights]);
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -43,17 +42,28 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.distributed.distributed_c10d import Store
 
-__all__ = ["all_gather_single", "default_store", "profiler_range", "queue_end_of_backward"]
+__all__ = [
+    "all_gather_single",
+    "default_store",
+    "profiling",
+    "queue_end_of_backward",
+    "reduce_scatter_single",
+]
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning per call) to
-# all_gather_single; older torch has only the first.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (now deprecated, with a
+# FutureWarning per call) to all_gather_single / reduce_scatter_single; older torch has only
+# the first names.
 all_gather_single: Callable[..., Any] = (
     getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 )
+"""``all_gather_single(output, input, group=None, async_op=False)``: one tensor in, one out."""
+reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+"""``reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)``."""
 
 logger = logging.getLogger("shardkit.optim")
 _logged_no_flag = False
-_NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def queue_end_of_backward(fn: Callable[[], None]) -> None:
@@ -100,22 +110,3 @@ def profiling() -> bool:
             "profiler ranges are opened on every step (logged once)"
         )
     return True
-
-
-# [Note: Ranges only while profiling]
-# ``record_function`` costs ~1-10 us to open even when nobody profiles, which adds up on a
-# per-bucket path (one range per bucket launch and wait). So the per-bucket ranges of
-# shardkit-ddp and shardkit-overlap are opened only while a profiler runs in this process, and
-# the bucket's name is formatted only then.
-def profiler_range(name: str, index: int | None = None) -> AbstractContextManager[Any]:
-    """``record_function("<name>[<index>]")`` while a torch profiler runs, else a no-op.
-
-    See [Note: Ranges only while profiling].
-
-    Args:
-        name: the range's full name (e.g. ``"shardkit.ddp.reduce_scatter"``).
-        index: appended as ``[index]`` (e.g. a bucket index) when given.
-    """
-    if not profiling():
-        return _NO_RANGE
-    return torch.profiler.record_function(name if index is None else f"{name}[{index}]")

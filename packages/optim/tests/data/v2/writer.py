@@ -6,9 +6,11 @@ param_groups record), bf16 params with fp32 master weights (``master/`` items), 
 """
 import sys
 from pathlib import Path
-import torch, torch.distributed as dist
+
+import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedOptimizer, __version__, save_sharded
 from torch import nn
-from shardkit.optim import ShardedOptimizer, save_sharded, __version__
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")

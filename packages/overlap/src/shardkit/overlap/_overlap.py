@@ -12,7 +12,7 @@ import torch.distributed as dist
 from shardkit.optim import ShardedOptimizer, StepDriver, queue_end_of_backward
 from shardkit.overlap._config import OverlapConfig
 from shardkit.overlap._ownership import _apply_partition, _ddp_params, _planned_partition
-from shardkit.overlap._ranges import phase
+from shardkit.overlap._profiling import phase
 from shardkit.overlap._torch_compat import GradBucket
 from shardkit.overlap._validation import (
     _agree_registration,
@@ -87,8 +87,8 @@ _BY_DDP: "weakref.WeakKeyDictionary[DistributedDataParallel, ZeroOverlap]" = (
 # worker threads. With a lag of 1, the broadcast of bucket ``b - 1`` is queued right before the
 # reduction of bucket ``b + 1``, and the next hook call immediately waits for the reduction of
 # bucket ``b``, which then competes with that broadcast: each wait is stretched by the previous
-# broadcast and backward stalls (measured: the lag-1 hook was slower than no hook at all, see the
-# README). With a lag of 2, the reduction being waited for was queued before every broadcast
+# broadcast and backward stalls (the README measures a lag-1 hook slower than no hook at all).
+# With a lag of 2, the reduction being waited for was queued before every broadcast
 # issued since, and has had two buckets' worth of backward to complete.
 _INTERLEAVE_LAG = 2
 
@@ -163,7 +163,7 @@ class ZeroOverlap:
     the params are updated and identical on every rank, from the first iteration on.
 
     The loop keeps its ``zero.step()`` (or calls :meth:`step`): after such a backward it is a
-    no-op, so the update is never applied twice (see shardkit-optim's [Note: External stepper]).
+    no-op, so the update is never applied twice (see shardkit-optim's [Note: Step drivers]).
     With a declared grad scaler or ``max_grad_norm`` the step runs in the loop instead (see
     [Note: Step placement]).
     """
@@ -336,7 +336,7 @@ class ZeroOverlap:
             )
         self._next_index = index + 1
         if self._closed or self._loop_step:
-            with phase("reduce", index):  # See [Note: Profiler ranges] in _ranges.
+            with phase("reduce", index):  # See [Note: Profiler ranges] (shardkit-optim).
                 return self._hook(state, bucket)
         if index == 0:
             # The hooks are about to step the shards: agree first (hyper-parameters, the call

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.rpc as rpc
 from shardkit.rpc._logging import log_once
 from shardkit.rpc._queue import queue_for
-from shardkit.rpc._ranges import phase
+from shardkit.rpc._profiling import phase
 from shardkit.rpc._torch_compat import context_gradients
 from torch.futures import Future
 
@@ -94,7 +94,7 @@ class _LocalOptimizer:
 
     def step(self, context_id: int, updates: Updates | None) -> None:
         """One optimizer step with the gradients this worker holds in ``context_id``."""
-        with phase("shardkit.rpc.owner.step"):  # See [Note: Profiler ranges].
+        with phase("shardkit.rpc.owner.step"):  # See [Note: RPC profiler ranges].
             self._step(context_id, updates)
 
     def _step(self, context_id: int, updates: Updates | None) -> None:

@@ -23,7 +23,7 @@ from shardkit.rpc._owner import (
     _remote_step,
     _remote_step_with,
 )
-from shardkit.rpc._ranges import phase
+from shardkit.rpc._profiling import phase
 from shardkit.rpc._scheduler import _DRIVER_TOKEN, ParamGroupsView
 from shardkit.rpc._script_step import script_step
 from shardkit.rpc._torch_compat import context_gradients, is_rref
@@ -250,7 +250,7 @@ class DistributedOptimizer:
         self._remote: dict[str, int] = {owner: created[owner][1] for owner in self._owners}
         # Per owner: (name, worker info, handle, the call for a step without option changes,
         # its profiler range name). The worker info spares `rpc_async` a name lookup per call.
-        # See [Note: Step requests] and [Note: Profiler ranges].
+        # See [Note: Step requests] and [Note: RPC profiler ranges].
         self._step_calls: list[tuple[str, Any, int, Callable[..., Any], str]] = [
             (
                 owner,
@@ -336,7 +336,7 @@ class DistributedOptimizer:
                 (before any RPC is sent).
             RemoteOptimizerError: one or more owners failed or timed out; names all of them.
         """
-        with phase("shardkit.rpc.step"):  # See [Note: Profiler ranges].
+        with phase("shardkit.rpc.step"):  # See [Note: RPC profiler ranges].
             self._step(context_id, timeout)
 
     def _step(self, context_id: int, timeout: float | None) -> None:

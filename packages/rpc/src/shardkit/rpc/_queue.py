@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
-from shardkit.rpc._ranges import phase
+from shardkit.rpc._profiling import phase
 from torch.futures import Future
 
 __all__ = ["SerialQueue", "queue_for"]
@@ -118,7 +118,7 @@ class SerialQueue:
             else:
                 self._busy = True
         if turn is not None:
-            with phase("shardkit.rpc.owner.wait_turn"):  # See [Note: Profiler ranges].
+            with phase("shardkit.rpc.owner.wait_turn"):  # See [Note: RPC profiler ranges].
                 turn.event.wait()
             if turn.done:
                 if turn.error is not None:

@@ -68,7 +68,7 @@ def context_gradients(
 def profiling() -> bool:
     """Whether a torch profiler is running in this process (any thread).
 
-    See [Note: Profiler ranges]. Where torch no longer has the flag, ranges are always recorded
+    See [Note: RPC profiler ranges]. Where torch no longer has the flag, ranges are always recorded
     (logged once): the same traces, a few microseconds more per step.
     """
     flag = getattr(autograd_profiler, "_is_profiler_enabled", None)

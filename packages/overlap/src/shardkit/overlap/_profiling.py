@@ -1,6 +1,5 @@
-"""``torch.profiler.record_function`` ranges around the phases of an overlapped step.
+"""The profiler ranges of an overlapped step (shardkit-optim's [Note: Profiler ranges]).
 
-[Note: Profiler ranges]
 A profiler trace shows these ranges (all under ``shardkit.overlap.``), per DDP bucket index:
 ``reduce[<bucket>]`` around launching the bucket's reduction (the wrapped hook, or the reduces
 to the owners), ``wait[<bucket>]`` until the reduction has completed (owners only),
@@ -10,10 +9,8 @@ and ``sync[<bucket>]`` (launching the owners' broadcasts of the bucket's params)
 without an index. In loop-step mode (scaler, clipping) only ``reduce[<bucket>]`` is ours; the
 step shows shardkit-optim's ranges.
 
-The ranges sit on the comm hook's per-bucket path, and a range costs ~1-10 us to open even
-when nobody profiles, so they are opened only while a profiler runs in this process
-(``shardkit.optim.profiler_range``, shardkit-optim's [Note: Ranges only while profiling]), as
-shardkit-rpc does.
+They sit on the comm hook's per-bucket path: opened only while a profiler runs
+(``shardkit.optim.profiler_range``).
 """
 
 from __future__ import annotations

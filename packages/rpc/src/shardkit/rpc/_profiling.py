@@ -11,7 +11,7 @@ from shardkit.rpc._torch_compat import profiling
 
 __all__ = ["phase"]
 
-# [Note: Profiler ranges]
+# [Note: RPC profiler ranges]
 # A profiler trace shows these ranges (all under `shardkit.rpc.`):
 # - trainer, `DistributedOptimizer.step`: `step` around the whole call, inside it
 #   `step.request[<owner>]` per owner (sending its `rpc_async`) and
