@@ -96,7 +96,9 @@ class _Comm:
         # memory section).
         # That is Gloo's, and stays: NCCL, what GPU users run, reduce-scatters and all-gathers
         # in place with no buffer of its own.
-        self._lists = dist.get_backend(group) == "gloo"
+        self.gloo = dist.get_backend(group) == "gloo"
+        """Whether the group is Gloo's (its collectives run on worker threads of its own)."""
+        self._lists = self.gloo
         global _logged_gloo
         if self._lists and not _logged_gloo:
             _logged_gloo = True

@@ -15,10 +15,24 @@ own entry points that read every param (the next step, clipping, ``wait_params()
 optimizer's state dicts and checkpoints) wait for all of them at once. ``zero_grad()`` touches
 no param and does not wait (the usual loop calls it right before the forward the gathers
 overlap). A bucket whose params nothing touches is waited for by the next step at the latest.
+
+[Note: Gloo gathers and the profiler]
+torch's profiler (2.13, CPU) can crash the process (SIGSEGV or abort, in ``key_averages()`` or
+when the profiler stops) when a Gloo collective launched while it profiles is still in flight
+when it stops: Gloo runs the collective on a worker thread of its own, which records its
+profiler event there. Plain torch shows it (a world-2 loop of ``with profile(): w =
+dist.all_gather(outs, x, async_op=True)`` then ``w.wait()`` after the ``with``: 2 crashes in 3
+runs of 100 iterations; a collective launched *before* the profiler starts: none in 300). A
+deferred gather is exactly that when a profile ends after ``step()``, as
+``torch.profiler.schedule`` ends its window in ``prof.step()`` after the optimizer's step. So on
+Gloo, ``step()`` issued while a profiler runs waits for its gathers before it returns (logged
+once); without a profiler, and on NCCL (its collectives are recorded on the launching thread),
+gathers stay deferred.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -26,9 +40,13 @@ from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
 from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._profiling import phase
+from shardkit.optim import profiling
 from torch import nn
 
 __all__: list[str] = []
+
+logger = logging.getLogger("shardkit.ddp")
+_logged_profiling = False
 
 
 class _ParamGather:
@@ -59,7 +77,8 @@ class _ParamGather:
 
     def issue(self, buckets: Sequence[_Bucket]) -> None:
         """All-gathers every rank's range of ``buckets`` (async); waits at once unless
-        overlapped, else arms the guard ([Note: Param access guard])."""
+        overlapped (or on Gloo under a profiler: [Note: Gloo gathers and the profiler]), else
+        arms the guard ([Note: Param access guard])."""
         with torch.no_grad():
             for b in reversed(buckets):
                 # In place: this rank's range is both the input and its own output chunk (NCCL
@@ -67,7 +86,9 @@ class _ParamGather:
                 # writes the range before the gather is waited for: the guard makes every
                 # access wait first.
                 self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.rank))
-        if not self.overlap:
+        if not self.overlap or (self.comm.gloo and profiling()):
+            if self.overlap:
+                _log_profiling_once()
             self.wait_all()
         elif self.pending:
             self.guard = arm(self)
@@ -108,3 +129,15 @@ class _ParamGather:
             if self in self.guard.gathers:
                 self.guard.gathers.remove(self)
             self.guard = None
+
+
+def _log_profiling_once() -> None:
+    global _logged_profiling
+    if not _logged_profiling:
+        _logged_profiling = True
+        logger.info(
+            "ShardedDataParallel on Gloo: a torch profiler is running, so step() waits for its "
+            "param all-gathers instead of overlapping them with the next forward (torch's "
+            "profiler can crash when a Gloo collective it saw start is still in flight when it "
+            "stops; [Note: Gloo gathers and the profiler]); logged once"
+        )

@@ -47,7 +47,7 @@ from shardkit.optim._shard_state import (
 )
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
-from shardkit.optim._profiling import profiler_range
+from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._torch_compat import (
     all_gather_single,
     queue_end_of_backward,
@@ -88,6 +88,7 @@ __all__ = [
     "load_full_state_dict",
     "load_sharded",
     "profiler_range",
+    "profiling",
     "queue_end_of_backward",
     "reduce_scatter_single",
     "register_call",

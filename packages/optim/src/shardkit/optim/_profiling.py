@@ -7,7 +7,7 @@ ZeRO-1 step (``agree``, ``local_step``, ``sync``, ``clip_grad_norm``, ``consolid
 ranges that shardkit-ddp and shardkit-overlap list in their own ``_profiling`` modules. A range
 costs about 1-10 us to open even when nobody profiles, which adds up on a per-bucket path (one
 range per bucket launch and wait), so every range is opened only while a torch profiler runs in
-this process (torch's own flag, read by :func:`shardkit.optim._torch_compat.profiling`), and a
+this process (torch's own flag, read by :func:`profiling`), and a
 bucket's name is formatted only then. shardkit-rpc, which stands alone, does the same with its
 own copy of the flag.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from shardkit.optim._torch_compat import profiling
 
-__all__ = ["profiler_range"]
+__all__ = ["profiler_range", "profiling"]
 
 _NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 

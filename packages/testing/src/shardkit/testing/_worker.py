@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
 
-    # Stacks of every thread on SIGUSR1: the pytest process asks for them on a timeout.
+    # Stacks of every thread on SIGUSR1 (the pytest process asks for them on a timeout) and on
+    # a fatal signal (a rank that dies by SIGSEGV shows where in its output).
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
 
