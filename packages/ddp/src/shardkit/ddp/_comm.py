@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,6 @@ _RING: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
 }
-
 
 
 class _Pending:
@@ -124,7 +123,9 @@ class _Comm:
                 out, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
         else:
-            work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = reduce_scatter_single(
+                out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
         return _Pending("reduce_scatter", cast("dist.Work | None", work))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:

@@ -22,13 +22,13 @@ from shardkit.optim._agreement import (
     register_call,
     register_error_type,
 )
+from shardkit.optim._aliases import OSS, ZeroRedundancyOptimizer
 from shardkit.optim._checkpoint import (
     ShardedCheckpointable,
     load_consolidated,
     load_sharded,
     save_sharded,
 )
-from shardkit.optim._aliases import OSS, ZeroRedundancyOptimizer
 from shardkit.optim._dist import global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._flat import (
@@ -38,6 +38,7 @@ from shardkit.optim._flat import (
     is_elementwise,
 )
 from shardkit.optim._grad_scaler import ShardedGradScaler
+from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._shard_state import (
     AllGather,
     ParkedState,
@@ -47,7 +48,6 @@ from shardkit.optim._shard_state import (
 )
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
-from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._torch_compat import (
     all_gather_single,
     queue_end_of_backward,
@@ -73,9 +73,9 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "__version__",
     "agree_call",
-    "all_gather_single",
     "agree_outcome",
     "agree_values",
+    "all_gather_single",
     "build_flat_buckets",
     "checkpoint_part",
     "describe_difference",

@@ -505,7 +505,9 @@ def load_sharded(
             an opt-in above. Raised on every rank, naming the item or field.
     """
     _require_numpy("load_sharded")
-    agree_call(LOAD_SHARDED_CALL, optimizer.group, optimizer.collective_timeout)  # [Note: Call agreement]
+    agree_call(
+        LOAD_SHARDED_CALL, optimizer.group, optimizer.collective_timeout
+    )  # [Note: Call agreement]
     group = optimizer.group
     params = [p for g in optimizer.param_groups for p in g["params"]]
     error: Exception | None = None

@@ -227,7 +227,9 @@ def lookup_tables(name: str, device: torch.device) -> Tables:
     base = torch.bucketize(lo, thr, right=True)
     inside = torch.bucketize(hi, thr, right=True) - base
     if bool((inside[finite] > 1).any()):
-        raise RuntimeError(f"map {name}: a 16-bit cell holds two thresholds; the table is not exact")
+        raise RuntimeError(
+            f"map {name}: a 16-bit cell holds two thresholds; the table is not exact"
+        )
     t = thr[base.clamp(max=thr.numel() - 1)]
     t_low = _key(t.view(torch.int32).long() & 0xFFFFFFFF) & 0xFFFF
     entry = base * 65536 + torch.where(inside == 1, 65536 - t_low, 0)

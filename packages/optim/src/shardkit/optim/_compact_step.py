@@ -49,8 +49,8 @@ from typing import Any, Literal
 
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
-from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._profiling import profiler_range
+from shardkit.optim._remainder import join_master, split_master
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 

@@ -42,7 +42,6 @@ from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._exchange import channel
 from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed
-from shardkit.optim._profiling import profiler_range
 from shardkit.optim._master import (
     _WIRE_KEY,
     _Masters,
@@ -51,6 +50,7 @@ from shardkit.optim._master import (
     needs_master,
     unscale_grads,
 )
+from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import (
     _hyperparams,
     _install_state,
@@ -67,7 +67,6 @@ __all__ = ["ShardedOptimizer"]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_repartition = False
-
 
 
 class ShardedOptimizer(_StateDictMixin, Optimizer):

@@ -211,7 +211,9 @@ class _StateDictMixin:
                 "the full optimizer state onto every rank (a collective: every rank calls "
                 "state_dict(), as torch.distributed.checkpoint.state_dict does)"
             )
-        agree_call(IMPLICIT_CONSOLIDATE_CALL, self.group, self._timeout)  # See [Note: Call agreement]
+        agree_call(
+            IMPLICIT_CONSOLIDATE_CALL, self.group, self._timeout
+        )  # See [Note: Call agreement]
         _StateDictMixin.consolidate_state_dict(self, recipient_rank=-1)
         self._last_consolidation = (self._state_version, -1, True)
 

@@ -36,7 +36,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch.autograd import Variable

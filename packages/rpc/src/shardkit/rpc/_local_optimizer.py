@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed.rpc as rpc
 from shardkit.rpc._logging import log_once
-from shardkit.rpc._queue import queue_for
 from shardkit.rpc._profiling import phase
+from shardkit.rpc._queue import queue_for
 from shardkit.rpc._torch_compat import context_gradients
 from torch.futures import Future
 
