@@ -74,13 +74,13 @@ def test_a_profile_that_ends_after_step_keeps_the_process_alive() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 sdp(torch.randn(3, 5)).square().mean().backward()
                 opt.step()
-                assert not sdp._gather.pending  # waited inside step()
+                assert not sdp._groups[0].gather.pending  # waited inside step()
             assert "shardkit.ddp.all_gather" in {e.key for e in prof.key_averages()}
             opt.zero_grad()
     assert len(logs.matching("a torch profiler is running")) <= 1
     sdp(torch.randn(3, 5)).square().mean().backward()
     opt.step()
-    assert sdp._gather.pending  # no profiler: deferred as before
+    assert sdp._groups[0].gather.pending  # no profiler: deferred as before
 
 
 @world(2)

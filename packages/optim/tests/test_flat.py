@@ -266,3 +266,28 @@ def test_full_state_dict_is_a_plain_optimizers_and_loads_back() -> None:
 
     with pytest.raises(ValueError, match="param groups of sizes"):
         load_full_state_dict(stepper2, buckets2, groups2, {"state": {}, "param_groups": []})
+
+
+def test_a_driver_sets_a_bucket_and_a_stepper_through_their_methods() -> None:
+    """``attach_grad_shard`` checks what it is given; ``mark_reduced`` / ``mark_consumed``
+    decide whether the stepper steps the shard; ``drop_factors`` forgets the queued factors."""
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(5))]
+    (b,), _ = build_flat_buckets([{"params": params}], [True], 2, 1 << 20, 1 << 20)
+    with pytest.raises(ValueError, match=f"must have {b.shard} elements"):
+        b.attach_grad_shard(torch.zeros(b.shard + 1))
+    with pytest.raises(ValueError, match="must have"):
+        b.attach_grad_shard(torch.zeros(b.shard, dtype=torch.float64))
+    b.attach_grad_shard(torch.ones(b.shard))
+    stepper = ShardStepper([b], torch.optim.SGD, [{"params": params, "lr": 1.0}], {"lr": 1.0}, 0, None)
+    before = b.flat.clone()
+    stepper.step([{"params": params, "lr": 1.0}])  # fresh: not stepped
+    assert torch.equal(b.flat, before)
+    b.mark_reduced()
+    assert not b.grad_fresh
+    stepper.step([{"params": params, "lr": 1.0}])
+    assert torch.equal(b.flat[: b.shard], before[: b.shard] - 1.0)
+    b.mark_consumed()
+    assert b.grad_fresh
+    stepper.factors.append(torch.tensor(0.5))
+    stepper.drop_factors()
+    assert stepper.factors == []

@@ -2,6 +2,7 @@
 
 from shardkit.ddp.__about__ import __version__
 from shardkit.ddp._comm import CommStats
+from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._sharded_ddp import ShardedDataParallel
 from shardkit.optim import ELEMENTWISE_OPTIMIZERS, is_elementwise
 
@@ -9,6 +10,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "CommStats",
     "ShardedDataParallel",
+    "ShardedDataParallelConfig",
     "__version__",
     "is_elementwise",
 ]

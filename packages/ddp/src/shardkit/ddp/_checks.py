@@ -1,5 +1,5 @@
-"""Construction checks of ``ShardedDataParallel``: arguments, params, and the cross-rank
-agreement on the module's structure and the bucket plan."""
+"""Checks of ``ShardedDataParallel``: arguments, params, the cross-rank agreement on the
+module's structure and the bucket plan, and the agreed call names of its collective phases."""
 
 from __future__ import annotations
 
@@ -7,12 +7,37 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer, agree_values
+from shardkit.optim import ShardedOptimizer, agree_call, agree_values, register_call
 from torch import nn
 
 __all__: list[str] = []
 
 _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# [Note: Wrapper agreements]
+# Every collective phase of the wrapper starts with shardkit-optim's bounded call agreement
+# (its [Note: Call agreement]), so ranks that are not in the same phase raise on every rank,
+# naming the phases, within ``collective_timeout`` (default 30 s), instead of pairing
+# mismatched collectives (a Gloo abort) or waiting for the process group's timeout:
+# the buffer broadcast before a forward, the first gradient of every synchronised backward
+# (which also agrees on how many ``no_sync()`` blocks each rank entered since the last
+# reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()``; the step
+# agrees through ``ShardedOptimizer.check_step``. Each is one exchange on the c10d store
+# (shardkit-optim's [Note: Agreement over the store]): no collective, nothing left pending
+# when it raises, so a rank that raised can exit.
+BACKWARD = register_call("ShardedDataParallel backward (gradient reduce-scatter)")
+FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
+REDUCE = register_call("ShardedDataParallel.reduce()")
+CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
+STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
+REFRESH = register_call("ShardedDataParallel.refresh_trainable()")
+
+
+def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
+    """Whether every rank of ``opt``'s group entered ``call`` with the same ``digest``
+    (bounded by ``opt.collective_timeout``). See [Note: Wrapper agreements]."""
+    same, _, _ = agree_call(call, opt.group, opt.collective_timeout, digest=digest)
+    return bool(same)
 
 
 def optimizers_of(given: object) -> list[ShardedOptimizer]:

@@ -33,14 +33,13 @@ gathers stay deferred.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
-from shardkit.ddp._layout import _Bucket
 from shardkit.ddp._profiling import phase
-from shardkit.optim import profiling
+from shardkit.optim import FlatBucket, profiling
 from torch import nn
 
 __all__: list[str] = []
@@ -50,32 +49,38 @@ _logged_profiling = False
 
 
 class _ParamGather:
-    """Issues and waits for the param all-gathers; see [Note: Deferred param gather]."""
+    """Issues and waits for the param all-gathers of one bucket group's buckets; see [Note:
+    Deferred param gather]. Built by its :class:`~shardkit.ddp._bucket_group.BucketGroup`
+    with each bucket layout.
 
-    def __init__(self, comm: _Comm, rank: int, overlap: bool) -> None:
+    Args:
+        comm: The wrapper's communication layer.
+        overlap: ``overlap_param_gather``: leave the gathers in flight after ``issue``.
+        module_buckets: Buckets (indices) of the params each module owns directly.
+        buckets: The group's buckets (their flat buffers are what the guard watches).
+        on_drained: Called when the last pending gather was waited for.
+    """
+
+    def __init__(
+        self,
+        comm: _Comm,
+        overlap: bool,
+        module_buckets: dict[nn.Module, list[int]],
+        buckets: Sequence[FlatBucket],
+        on_drained: Callable[[], None],
+    ) -> None:
         self.comm = comm
-        self.rank = rank
         self.overlap = overlap
         self.pending: dict[int, _Pending] = {}
-        self.module_buckets: dict[nn.Module, list[int]] = {}
+        self.module_buckets = module_buckets
         """Buckets of the params each module owns directly (``recurse=False``)."""
-        self.spans = _Spans(())
+        self.spans = _Spans((b.index, b.flat) for b in buckets)
         """Byte ranges of the flat buffers (see [Note: Param access guard])."""
         self.guard: _ParamGuard | None = None
         """The guard this gather is registered with while something is pending."""
+        self.on_drained = on_drained
 
-    def rebuild(self, buckets: Sequence[_Bucket], module: nn.Module) -> None:
-        """Takes a (re)built bucket layout (every gather of the old one was waited for)."""
-        bucket_of = {id(p): b.index for b in buckets for p in b.params}
-        self.module_buckets = {}
-        for sub in module.modules():
-            own = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False)
-                          if id(p) in bucket_of})  # fmt: skip
-            if own:
-                self.module_buckets[sub] = own
-        self.spans = _Spans((b.index, b.flat) for b in buckets)
-
-    def issue(self, buckets: Sequence[_Bucket]) -> None:
+    def issue(self, buckets: Sequence[FlatBucket]) -> None:
         """All-gathers every rank's range of ``buckets`` (async); waits at once unless
         overlapped (or on Gloo under a profiler: [Note: Gloo gathers and the profiler]), else
         arms the guard ([Note: Param access guard])."""
@@ -85,7 +90,7 @@ class _ParamGather:
                 # supports it; Gloo gathers into a buffer of its own and copies back). Nothing
                 # writes the range before the gather is waited for: the guard makes every
                 # access wait first.
-                self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.rank))
+                self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank))
         if not self.overlap or (self.comm.gloo and profiling()):
             if self.overlap:
                 _log_profiling_once()
@@ -125,10 +130,12 @@ class _ParamGather:
                 self.wait(index)
 
     def _drained(self) -> None:
-        if not self.pending and self.guard is not None:
-            if self in self.guard.gathers:
-                self.guard.gathers.remove(self)
-            self.guard = None
+        if not self.pending:
+            if self.guard is not None:
+                if self in self.guard.gathers:
+                    self.guard.gathers.remove(self)
+                self.guard = None
+            self.on_drained()
 
 
 def _log_profiling_once() -> None:

@@ -8,7 +8,10 @@ gives it back when its reduce-scatter has completed; at most two staging buffers
 bucket's size exist per (dtype, device), so no full-size gradient is ever allocated (a third is
 allocated, and logged once, only if a backward fills three buckets at once out of plan order).
 
-Buckets are launched strictly in index order on every rank: a complete bucket launches only
+Buckets are launched strictly in index order on every rank, over the buckets of every bucket
+group of the wrapper (``_Reducer.order``; each group stages, launches and finishes its own
+buckets when the pass asks: [Note: Bucket group state] in ``shardkit.ddp._bucket_group``): a
+complete bucket launches only
 once every earlier bucket has launched, so every rank issues the same collectives in the same
 order whatever order its hooks fire in. At the end of the backward pass (an autograd-engine
 callback, ``shardkit.optim.queue_end_of_backward``) the buckets still waiting are flushed: params that got no
@@ -88,19 +91,19 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
-from shardkit.ddp._comm import _Comm, _Pending
-from shardkit.ddp._layout import _Bucket
+from shardkit.ddp._comm import _Comm
+from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._profiling import phase
-from shardkit.optim import queue_end_of_backward
+from shardkit.optim import FlatBucket, queue_end_of_backward
 
-__all__: list[str] = []
+__all__ = ["ALIGN", "BucketOwner", "check_clip", "drop_grads", "is_placeholder"]
 
 logger = logging.getLogger("shardkit.ddp")
 _MAX_STAGING = 2
-_ALIGN = 16
+ALIGN = 16
 """Staging buffers are a multiple of 16 elements, so each one of a pool starts 64-byte aligned
 and can be viewed in a wider dtype (the step's scratch)."""
 _warned_extra_staging = False
@@ -215,80 +218,129 @@ def is_placeholder(t: torch.Tensor | None) -> bool:
     return type(t) is _ReducedGrad
 
 
+class BucketOwner(Protocol):
+    """What the backward pass needs of a bucket group (``shardkit.ddp._bucket_group``'s
+    ``BucketGroup``, the only writer of its buckets' reduction state)."""
+
+    @property
+    def buckets(self) -> Sequence[FlatBucket]: ...
+
+    def scratch_bytes(self) -> int: ...
+
+    def begin_pass(self) -> None: ...
+
+    def is_pending(self, k: int, i: int) -> bool: ...
+
+    def pending(self, k: int) -> list[int]: ...
+
+    def wire_dtype(self, k: int) -> torch.dtype: ...
+
+    def has_staging(self, k: int) -> bool: ...
+
+    def take_staging(self, k: int, base: torch.Tensor) -> None: ...
+
+    def grad_view(self, k: int, i: int) -> torch.Tensor: ...
+
+    def stage(self, k: int, i: int, grad: torch.Tensor | None, in_place: bool = False) -> None: ...
+
+    def ready(self, k: int) -> bool: ...
+
+    def launch(self, k: int) -> None: ...
+
+    def finish(self, k: int) -> torch.Tensor: ...
+
+
 class _Reducer:
-    """Stages gradients and issues the reduce-scatters of a list of buckets."""
+    """The wrapper's backward pass over every bucket group: hooks, bucket order, staging pool.
+
+    Built once per wrapper; :meth:`lay_out` takes each (re)built bucket layout. The groups
+    own their buckets' reduction state ([Note: Bucket group state] in
+    ``shardkit.ddp._bucket_group``); this pass decides when each is staged, launched and
+    finished: buckets launch strictly in index order over every group ([Note: Staging and
+    launch order]), and the staging buffers are lent from one pool per wire dtype and device.
+
+    Args:
+        comm: The wrapper's communication layer.
+        config: The wrapper's options (``reduce_dtype``, ``keep_staging_buffers``,
+            ``gradient_as_bucket_view``).
+        on_backward_start: Called at the first gradient of a synchronised backward, before
+            any collective of it (the wrapper's agreement; see shardkit-optim's [Note: Call
+            agreement]).
+    """
 
     def __init__(
         self,
-        buckets: Sequence[_Bucket],
         comm: _Comm,
-        reduce_dtype: torch.dtype | None = None,
-        keep_pool: bool = True,
-        scratch_bytes: int = 0,
+        config: ShardedDataParallelConfig,
+        on_backward_start: Callable[[], None],
     ) -> None:
-        self.buckets = list(buckets)
         self.comm = comm
-        self.reduce_dtype = reduce_dtype
-        """See [Note: Reduce dtype]; ``None`` reduces every bucket in its own dtype."""
-        self.where: dict[int, tuple[_Bucket, int]] = {
-            id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)
-        }
-        self.scale = 1.0 / comm.world
-        self.next_launch = 0
-        self.in_backward = False
+        self.config = config
+        self.on_backward_start = on_backward_start
         self.enabled = True
-        self.keep_pool = keep_pool
-        """Keep the staging buffers between backwards (see [Note: Staging lifetime])."""
-        self.bucket_views = False
-        """Let backward accumulate gradients straight into the staging buffers (see [Note:
-        Gradients as bucket views])."""
+        """False under ``no_sync()``: hooks leave ``.grad`` to accumulate locally."""
+        self.in_backward = False
+        self.next_launch = 0
+        self.order: list[tuple[BucketOwner, int]] = []
+        """Every bucket as (group, position in the group), in launch (index) order."""
+        self.where: dict[int, tuple[BucketOwner, int, int]] = {}
+        """``id(param)`` -> (its group, bucket position in the group, position in the bucket):
+        the one param map of the layout."""
+        self.inflight: list[tuple[BucketOwner, int]] = []
+        """The launched, unfinished buckets, in launch order."""
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id(param)`` -> (param, the staging view set as its ``.grad`` in this backward)."""
-        self.on_backward_start: Callable[[], None] | None = None
-        """Called at the first gradient of a synchronised backward, before any collective of it
-        (``ShardedDataParallel``'s agreement; see shardkit-optim's [Note: Call agreement])."""
-        """False under ``no_sync()``: hooks leave ``.grad`` to accumulate locally."""
-        self.inflight: list[tuple[_Bucket, _Pending]] = []
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._count: dict[tuple[torch.dtype, torch.device], int] = {}
         self._size: dict[tuple[torch.dtype, torch.device], int] = {}
-        for b in self.buckets:
-            key = self._key(b)
+        self._placeholders: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+
+    def lay_out(self, groups: Sequence[BucketOwner]) -> None:
+        """Takes the groups' (re)built buckets: the param map, the staging pool, the
+        placeholders and the gradient hooks (the old ones removed). Nothing is in flight."""
+        self.order = [(g, k) for g in groups for k in range(len(g.buckets))]
+        self.where = {
+            id(p): (g, k, i) for g, k in self.order for i, p in enumerate(g.buckets[k].params)
+        }
+        self.next_launch = 0
+        self.inflight = []
+        self._free, self._count, self._size = {}, {}, {}
+        scratch_bytes = max((g.scratch_bytes() for g in groups), default=0)
+        for g, k in self.order:
+            key = self._key(g, k)
             # See [Note: Staging lifetime]: a buffer also holds the step's scratch
             itemsize = torch.empty((), dtype=key[0]).element_size()
-            need = max(b.numel, -(-scratch_bytes // itemsize))
-            self._size[key] = max(self._size.get(key, 0), -(-need // _ALIGN) * _ALIGN)
+            need = max(g.buckets[k].numel, -(-scratch_bytes // itemsize))
+            self._size[key] = max(self._size.get(key, 0), -(-need // ALIGN) * ALIGN)
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
-        if keep_pool:  # allocated once, here: see [Note: Staging lifetime]
+        if self.config.keep_staging_buffers:  # allocated once, here: [Note: Staging lifetime]
             for (dtype, device), size in self._size.items():
                 block = torch.empty(_MAX_STAGING * size, dtype=dtype, device=device)
                 self._free[(dtype, device)] = [
                     block[k * size : (k + 1) * size] for k in range(_MAX_STAGING)
                 ]
                 self._count[(dtype, device)] = _MAX_STAGING
-        _allocate_grad_shards(self.buckets)
-        self._gaps = {id(b): _gaps(b) for b in self.buckets}
-        self._bases: dict[int, torch.Tensor] = {}
-        """The whole staging buffer of each bucket holding one (its staging is a prefix view)."""
-        self.clipped: set[int] = set()
-        """Indices of buckets whose reduced gradient was clipped since it was last reduced
-        into (a second clip raises, see ``ShardedDataParallel._clip_units``)."""
         zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._placeholders: dict[int, torch.Tensor] = {}
-        for b in self.buckets:
+        self._placeholders = {}
+        for g, k in self.order:
+            b = g.buckets[k]
             zero = zeros.setdefault(
                 (b.dtype, b.device), torch.zeros((), dtype=b.dtype, device=b.device)
             )
             for p in b.params:
                 self._placeholders[id(p)] = zero.expand(p.shape).as_subclass(_ReducedGrad)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = self._register_hooks()
 
     # ------------------------------------------------------------------ placeholders
-    def register_hooks(self) -> list[Any]:
+    def _register_hooks(self) -> list[Any]:
         """Registers the backward hooks of every bucketed param; returns their handles."""
         handles: list[Any] = []
-        for b in self.buckets:
-            for p in b.params:
+        for g, k in self.order:
+            for p in g.buckets[k].params:
                 param = cast(Any, p)
                 handles.append(param.register_hook(functools.partial(self.before_grad, p)))
                 handles.append(param.register_post_accumulate_grad_hook(_WeakHook(self)))
@@ -306,12 +358,14 @@ class _Reducer:
         """
         if type(p.grad) is _ReducedGrad:
             p.grad = None
-        if not (self.bucket_views and self.enabled and self.in_backward) or p.grad is not None:
+        views = self.config.gradient_as_bucket_view
+        if not (views and self.enabled and self.in_backward) or p.grad is not None:
             return
-        b, i = self.where[id(p)]
-        if i not in b.pending:
+        g, k, i = self.where[id(p)]
+        if not g.is_pending(k, i):
             return
-        if self.wire_dtype(b) != b.dtype:
+        b = g.buckets[k]
+        if g.wire_dtype(k) != b.dtype:
             global _logged_views_dtype
             if not _logged_views_dtype:
                 _logged_views_dtype = True
@@ -320,34 +374,17 @@ class _Reducer:
                     "reduced in %s, so their gradients are copied (cast) into the staging "
                     "buffer instead (logged once)",
                     b.dtype,
-                    self.wire_dtype(b),
+                    g.wire_dtype(k),
                 )
             return
-        if b.staging is None:
-            b.staging = self._acquire(b)
-        view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
-        view.zero_()
+        self._ensure_staging(g, k)
+        view = g.grad_view(k, i)
         self._views[id(p)] = (p, view)
         p.grad = view
 
-    # ------------------------------------------------------------------ clip state
-    def clip_flags(self, buckets: Sequence[_Bucket]) -> tuple[bool, bool]:
-        """(``buckets`` hold a reduced gradient not consumed yet, one of those was clipped
-        already) on this rank. See [Note: Clip agreement]."""
-        live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
-        return bool(live), any(b.index in self.clipped for b in live)
-
-    def mark_clipped(self, buckets: Sequence[_Bucket]) -> None:
-        """Records that the live gradients of ``buckets`` were clipped."""
-        self.clipped.update(b.index for b in buckets if not b.grad_fresh)
-
     # ------------------------------------------------------------------ staging buffers
-    def wire_dtype(self, b: _Bucket) -> torch.dtype:
-        """The dtype ``b`` is staged and reduced in. See [Note: Reduce dtype]."""
-        return b.dtype if self.reduce_dtype is None else self.reduce_dtype
-
-    def _key(self, b: _Bucket) -> tuple[torch.dtype, torch.device]:
-        return (self.wire_dtype(b), b.device)
+    def _key(self, g: BucketOwner, k: int) -> tuple[torch.dtype, torch.device]:
+        return (g.wire_dtype(k), g.buckets[k].device)
 
     def staging_bytes(self) -> int:
         """Bytes of staging buffers alive now (see [Note: Staging lifetime])."""
@@ -356,12 +393,17 @@ class _Reducer:
             for k, n in self._count.items()
         )
 
-    def _acquire(self, b: _Bucket) -> torch.Tensor:
+    def _ensure_staging(self, g: BucketOwner, k: int) -> None:
+        """Lends bucket ``k`` of ``g`` a staging buffer from the pool if it holds none."""
+        if not g.has_staging(k):
+            g.take_staging(k, self._acquire(g, k))
+
+    def _acquire(self, g: BucketOwner, k: int) -> torch.Tensor:
         global _warned_extra_staging
-        key = self._key(b)
+        key = self._key(g, k)
         while not self._free[key] and self._count[key] >= _MAX_STAGING:
             holder = next(
-                (i for i, (ob, _) in enumerate(self.inflight) if self._key(ob) == key),
+                (j for j, (og, ok) in enumerate(self.inflight) if self._key(og, ok) == key),
                 None,
             )
             if holder is None:
@@ -379,21 +421,9 @@ class _Reducer:
                 break
             self._finish(holder)
         if self._free[key]:
-            buf = self._free[key].pop()
-        else:
-            buf = torch.empty(self._size[key], dtype=key[0], device=b.device)
-            self._count[key] += 1
-        view = buf[: b.numel]
-        self._bases[id(b)] = buf
-        for start, end in self._gaps[id(b)]:
-            view[start:end].zero_()
-        return view
-
-    def _release(self, b: _Bucket) -> None:
-        if b.staging is not None:
-            base = self._bases.pop(id(b))
-            self._free[self._key(b)].append(base)
-            b.staging = None
+            return self._free[key].pop()
+        self._count[key] += 1
+        return torch.empty(self._size[key], dtype=key[0], device=g.buckets[k].device)
 
     # ------------------------------------------------------------------ backward
     def on_grad(self, p: torch.Tensor) -> None:
@@ -401,16 +431,14 @@ class _Reducer:
         if not self.enabled:
             return
         if not self.in_backward:
-            if self.on_backward_start is not None:  # the wrapper's agreement: may raise
-                self.on_backward_start()
+            self.on_backward_start()  # the wrapper's agreement: may raise
             self.start_pass()
             queue_end_of_backward(self.flush)
-        b, i = self.where[id(p)]
-        if i not in b.pending or p.grad is None:
+        g, k, i = self.where[id(p)]
+        if not g.is_pending(k, i) or p.grad is None:
             return
-        self._stage(b, i, p.grad)
+        self._stage(g, k, i, p.grad)
         self._set_placeholder(p)  # See [Note: Reduced-grad placeholders]
-        b.pending.discard(i)
         self._launch_ready()
 
     def start_pass(self) -> None:
@@ -429,80 +457,56 @@ class _Reducer:
         self._views.clear()
         self.in_backward = True
         self.next_launch = 0
-        for b in self.buckets:
-            b.reset_backward()
+        for g in {id(g): g for g, _ in self.order}.values():
+            g.begin_pass()
 
-    def _stage(self, b: _Bucket, i: int, grad: torch.Tensor | None) -> None:
-        p = b.params[i]
+    def _stage(self, g: BucketOwner, k: int, i: int, grad: torch.Tensor | None) -> None:
+        p = g.buckets[k].params[i]
         _, view = self._views.pop(id(p), (None, None))
         if view is not None and grad is view:  # accumulated in place: scale only
-            b.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
-            view.mul_(self.scale)
+            g.stage(k, i, grad, in_place=True)
             return
-        if b.staging is None:
-            b.staging = self._acquire(b)
-        view = b.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
-        if grad is None or type(grad) is _ReducedGrad:  # no new gradient in this pass
-            view.zero_()
-            return
-        b.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
-        g = grad.detach()
-        if view.dtype == g.dtype:
-            torch.mul(g, self.scale, out=view)
-        elif view.element_size() <= g.element_size():  # scale, then cast ([Note: Reduce dtype])
-            view.copy_(g.mul_(self.scale))  # in place: no temporary; .grad is dropped next
-        else:  # a wider reduce dtype: upcast first, scale in it ([Note: Reduce dtype])
-            view.copy_(g).mul_(self.scale)
+        self._ensure_staging(g, k)
+        g.stage(k, i, grad)
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets) and not self.buckets[self.next_launch].pending:
-            self._launch(self.buckets[self.next_launch])
+        while self.next_launch < len(self.order) and self.order[self.next_launch][0].ready(
+            self.order[self.next_launch][1]
+        ):
+            g, k = self.order[self.next_launch]
+            g.launch(k)
+            self.inflight.append((g, k))
             self.next_launch += 1
-
-    def _launch(self, b: _Bucket) -> None:
-        assert b.staging is not None  # every param staged (possibly zeros) before launch
-        assert b.grad_shard is not None  # allocated with the reducer
-        wire = self.wire_dtype(b)
-        if wire == b.dtype and b.grad_fresh:
-            out = b.grad_shard
-        else:  # in place, cast or added into the shard when done ([Note: Staging and launch
-            # order], [Note: Reduce dtype])
-            out = b.staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
-        b.out = out
-        b.add_out = not b.grad_fresh
-        b.grad_fresh = False
-        self.clipped.discard(b.index)
-        b.launched = True
-        with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
-            self.inflight.append((b, self.comm.reduce_scatter(out, b.staging)))
 
     def flush(self) -> None:
         """End of backward: stage what unused params have, launch every remaining bucket."""
         try:
-            for b in self.buckets[self.next_launch :]:
-                for i in sorted(b.pending):
-                    p = b.params[i]
+            for g, k in self.order[self.next_launch :]:
+                for i in g.pending(k):
+                    p = g.buckets[k].params[i]
                     grad = p.grad
                     if self._views.pop(id(p), (None, None))[1] is grad:  # no gradient came
                         grad = None
-                    self._stage(b, i, grad)
+                    self._stage(g, k, i, grad)
                     self._set_placeholder(p)
-                b.pending.clear()
             self._launch_ready()
         finally:
             self.in_backward = False
             self._views.clear()
 
+    def end_aborted_pass(self) -> None:
+        """Forgets a pass whose backward raised before its end (nothing of it in flight)."""
+        if self.in_backward and not self.inflight:
+            self.in_backward = False
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Hooks reduce (``True``) or leave ``.grad`` to accumulate (``False``, ``no_sync``)."""
+        self.enabled = enabled
+
     def _finish(self, index: int) -> None:
-        b, pending = self.inflight.pop(index)
-        self.comm.wait(pending)
-        if b.out is not None and b.grad_shard is not None and b.out is not b.grad_shard:
-            if b.add_out:
-                b.grad_shard.add_(b.out)
-            else:
-                b.grad_shard.copy_(b.out)
-        b.out = None
-        self._release(b)
+        g, k = self.inflight.pop(index)
+        base = g.finish(k)
+        self._free[self._key(g, k)].append(base)
 
     def finish_all(self) -> None:
         """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
@@ -513,7 +517,7 @@ class _Reducer:
 
     def trim_pool(self) -> None:
         """Frees the idle staging buffers unless the pool is kept ([Note: Staging lifetime])."""
-        if not self.in_backward and not self.keep_pool:
+        if not self.in_backward and not self.config.keep_staging_buffers:
             self._empty_pool()
 
     def idle_buffers(self) -> list[torch.Tensor]:
@@ -558,20 +562,26 @@ class _Reducer:
             self._count[key] -= len(free)
             free.clear()
 
-    def consume(self, buckets: Sequence[_Bucket]) -> None:
-        """Marks the grad shards of ``buckets`` consumed (after a step or ``zero_grad``)."""
-        for b in buckets:
-            b.grad_fresh = True  # the next reduce-scatter overwrites the shard
-            b.used.clear()
-            self.clipped.discard(b.index)
+
+def drop_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    """``zero_grad`` of ``params``' ``.grad`` after their reduced gradients were consumed: a
+    placeholder is dropped whatever ``set_to_none`` says (the shard it stood for is consumed;
+    see [Note: Reduced-grad placeholders]), a full local gradient is zeroed or dropped."""
+    for p in params:
+        if p.grad is not None:
+            if set_to_none or is_placeholder(p.grad):
+                p.grad = None
+            else:
+                p.grad.zero_()
 
 
 # [Note: Clip agreement]
 # ``ShardedDataParallel.clip_grad_norm_`` (and a wrapped ``optimizer.clip_grad_norm``) must not
 # return 0.0 when there is nothing to clip. Per bucket, ``grad_fresh`` says whether its shard
 # holds a gradient reduced since the last step / zero_grad (set at each reduce-scatter launch,
-# cleared by ``consume``), and ``_Reducer.clipped`` whether that gradient was clipped already
-# (cleared by the next launch into the bucket and by ``consume``). Both change only at
+# cleared by the group's ``_consume``), and its ``_Reduction.clipped`` (``BucketGroup``, in
+# shardkit.ddp._bucket_group) whether that gradient was clipped already (cleared by the next
+# launch into the bucket and by ``_consume``). Both change only at
 # collective points (launches in bucket order, steps, clips), so well-formed programs agree on
 # them; still, each rank's two flags (any live bucket, any live bucket clipped) ride on the
 # norm's one all-reduce (SUM: counts; MAX for the inf-norm: ``f`` and ``-f``, i.e. any / all),
@@ -606,34 +616,3 @@ def check_clip(
             "these gradients since they were reduced: clip once, after backward and before "
             "step() (a second clip would only measure the clipped gradients)."
         )
-
-
-def _allocate_grad_shards(buckets: Sequence[_Bucket]) -> None:
-    """Gives every bucket its ``grad_shard``: views of one zeroed buffer per (dtype, device),
-    allocated once with the layout (see [Note: Staging lifetime])."""
-    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    for b in buckets:
-        if b.grad_shard is None:
-            key = (b.dtype, b.device)
-            sizes[key] = sizes.get(key, 0) + -(-b.shard // _ALIGN) * _ALIGN
-    flats = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    offsets = dict.fromkeys(sizes, 0)
-    for b in buckets:
-        if b.grad_shard is None:
-            key = (b.dtype, b.device)
-            b.grad_shard = flats[key][offsets[key] : offsets[key] + b.shard]
-            offsets[key] += -(-b.shard // _ALIGN) * _ALIGN
-
-
-def _gaps(b: _Bucket) -> list[tuple[int, int]]:
-    """Element ranges of the bucket covered by no param (padding), to zero in staging."""
-    spans = sorted((off, off + p.numel()) for off, p in zip(b.offsets, b.params, strict=True))
-    out: list[tuple[int, int]] = []
-    pos = 0
-    for start, end in spans:
-        if start > pos:
-            out.append((pos, start))
-        pos = max(pos, end)
-    if pos < b.numel:
-        out.append((pos, b.numel))
-    return out

@@ -1,6 +1,7 @@
 """``ShardedDataParallel``: ZeRO-2 data parallelism that moves exactly DDP's bytes.
 
-How the wrapped optimizers are driven: [Note: Optimizer hand-over] in ``shardkit.ddp._unit``.
+How the wrapped optimizers are driven: [Note: Optimizer hand-over] in
+``shardkit.ddp._bucket_group``; the options: ``shardkit.ddp._config``.
 """
 
 from __future__ import annotations
@@ -8,51 +9,35 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from shardkit.ddp._bucket_group import BucketGroup, clip_groups
 from shardkit.ddp._checks import (
+    BACKWARD,
+    FORWARD,
+    REDUCE,
+    REFRESH,
+    agree,
     agree_plan,
     agree_structure,
-    cap_bytes,
     check_params,
     optimizers_of,
-    reduce_dtype_of,
 )
 from shardkit.ddp._comm import CommStats, _Comm
-from shardkit.ddp._gather import _ParamGather
-from shardkit.ddp._layout import _Bucket
+from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
 from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import _Reducer, check_clip, is_placeholder
-from shardkit.ddp._unit import _Host, _Unit
-from shardkit.optim import (
-    ShardedOptimizer,
-    ShardStepper,
-    agree_call,
-    build_flat_buckets,
-    gather_full_state_dict,
-    is_elementwise,
-    load_full_state_dict,
-    register_call,
-)
+from shardkit.ddp._reducer import _Reducer, drop_grads
+from shardkit.optim import FlatBucket, ShardedOptimizer, build_flat_buckets, is_elementwise
 from shardkit.partition import check_consistent
 from torch import nn
 
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger("shardkit.ddp")
-
-# Collective phases of the wrapper, agreed between ranks: see [Note: Wrapper agreements].
-_BACKWARD = register_call("ShardedDataParallel backward (gradient reduce-scatter)")
-_FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
-_REDUCE = register_call("ShardedDataParallel.reduce()")
-_CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
-_STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
-_REFRESH = register_call("ShardedDataParallel.refresh_trainable()")
 
 
 class ShardedDataParallel(nn.Module):
@@ -64,7 +49,8 @@ class ShardedDataParallel(nn.Module):
     the optimizer state (and of the fp32 masters with ``master_dtype``), plus a pool of at most
     two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
     See [Note: Owner-contiguous buckets] (``shardkit.optim._flat``) for the layout and
-    [Note: Optimizer hand-over] (``shardkit.ddp._unit``) for how the optimizers are driven.
+    [Note: Optimizer hand-over] (``shardkit.ddp._bucket_group``) for how the optimizers are
+    driven.
 
     Gradients and clipping: after a synchronised backward a param's ``.grad`` is a memory-less
     placeholder of its shape and dtype (the reduced gradient lives in the owners' shards), on
@@ -138,6 +124,8 @@ class ShardedDataParallel(nn.Module):
             buffer. Same bits, same memory; the copy moves fewer bytes (one multiply-copy
             against a zero, an add and a scale), so it is the default. See [Note: Gradients as bucket
             views] in ``shardkit.ddp._reducer``.
+        config: the options above as one :class:`ShardedDataParallelConfig` (then leave the
+            keyword arguments at their defaults).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or the optimizer not a ShardedOptimizer.
@@ -164,6 +152,7 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
         keep_staging_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        config: ShardedDataParallelConfig | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -175,61 +164,53 @@ class ShardedDataParallel(nn.Module):
                 "reduced over the group the optimizer shards over. Build the optimizer with "
                 "group=process_group."
             )
-        reduce_dtype = reduce_dtype_of(reduce_fp16, reduce_dtype)
-        for name, flag in (
-            ("keep_staging_buffers", keep_staging_buffers),
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-        ):
-            if not isinstance(flag, bool):
+        given = ShardedDataParallelConfig(
+            broadcast_buffers=broadcast_buffers,
+            sync_models_at_startup=sync_models_at_startup,
+            reduce_buffer_size=reduce_buffer_size,
+            auto_refresh_trainable=auto_refresh_trainable,
+            reduce_fp16=reduce_fp16,
+            warn_on_trainable_params_changed=warn_on_trainable_params_changed,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            elementwise=elementwise,
+            overlap_param_gather=overlap_param_gather,
+            reduce_dtype=reduce_dtype,
+            keep_staging_buffers=keep_staging_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        if config is not None:
+            if not isinstance(config, ShardedDataParallelConfig):
                 raise TypeError(
-                    f"{name} must be a bool, got {type(flag).__name__}: {flag!r}; pass True or "
-                    f"False"
+                    f"config must be a ShardedDataParallelConfig, got {type(config).__name__}"
                 )
-        if elementwise is not None and not isinstance(elementwise, bool):
-            raise TypeError(f"elementwise must be None or a bool, got {elementwise!r}")
-        cap = cap_bytes(reduce_buffer_size, bucket_cap_mb, "bucket_cap_mb")
-        first_cap = min(cap, cap_bytes(None, first_bucket_cap_mb, "first_bucket_cap_mb"))
+            if given != ShardedDataParallelConfig():
+                raise ValueError(
+                    "pass the options either as keyword arguments or as config=, not both"
+                )
+            given = config
+        self.ddp_config = given
+        """The wrapper's options (see :class:`ShardedDataParallelConfig`)."""
         self.module = module
         self.sharded_optimizers: list[ShardedOptimizer] = opts
         """The wrapped optimizers (fairscale's attribute), in the order given."""
         self.group: dist.ProcessGroup = opts[0].group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.broadcast_buffers = bool(broadcast_buffers)
-        self.auto_refresh_trainable = auto_refresh_trainable
-        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
-        self.reduce_dtype = reduce_dtype
         self._comm = _Comm(self.group)
         check_params(module, [o.param_groups for o in opts])
         agree_structure(module, opts[0].group)  # before any collective on params/buffers
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
-        self._cap = (cap, first_cap)
-        self._elementwise = elementwise
-        self._host = _Host(
-            self.rank,
-            self.world_size,
-            self._step_unit,
-            self._zero_grad_units,
-            self._clip_units,
-            self._finish_reductions,
-            self.optimizer_state_dict,
-            self.load_optimizer_state_dict,
-        )
-        self._keep_staging = keep_staging_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        """See [Note: Gradients as bucket views] in ``shardkit.ddp._reducer``."""
         self._no_sync_entries = 0
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
-        self._units: list[_Unit] = []
-        self._grad_hooks: list[Any] = []
-        if not isinstance(overlap_param_gather, bool):
-            raise TypeError(f"overlap_param_gather must be a bool, got {overlap_param_gather!r}")
-        self.overlap_param_gather = overlap_param_gather
-        self._gather = _ParamGather(self._comm, self.rank, overlap_param_gather)
-        self._build(sync_models_at_startup)
-        self.last_closure_loss: Any = None
+        self._reducer = _Reducer(
+            self._comm, self.ddp_config, on_backward_start=lambda: self._agree_reduction(BACKWARD)
+        )
+        self._groups: list[BucketGroup] = []
+        """One owner per wrapped optimizer (see [Note: Bucket group state])."""
+        self._build(self.ddp_config.sync_models_at_startup)
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
         self.device_type = next(iter(devices)).type if devices else "cpu"
@@ -245,66 +226,93 @@ class ShardedDataParallel(nn.Module):
                     hooked.register_load_state_dict_pre_hook(_Hook(self._before_state_dict)),
                 ]
                 make_deepcopy_plain(sub, self.wait_params)  # See [Note: Plain deepcopy]
-        for unit in self._units:  # See [Note: Optimizer hand-over]
-            unit.opt.attach_driver(unit)
+        for g in self._groups:  # See [Note: Optimizer hand-over]
+            g.opt.attach_driver(g)
         self._comm.stats.reset()
 
     def _build(self, sync: bool) -> None:
         """Plans the buckets of the trainable params, re-points them into the flat buffers, and
-        builds (or, on :meth:`refresh_trainable`, rebuilds) the steppers, the reducer and its
-        gradient hooks. Collective (the plan agreement, the startup broadcast)."""
-        cap, first_cap = self._cap
+        builds (or, on :meth:`refresh_trainable`, rebuilds) the bucket groups and the backward
+        pass's layout and hooks. Collective (the plan agreement, the startup broadcast)."""
+        config = self.ddp_config
         opts = self.sharded_optimizers
-        buckets: list[_Bucket] = []
-        spans: list[tuple[int, int]] = []
-        prints: list[str] = [f"reduce_dtype={self.reduce_dtype}"]
+        per_opt: list[list[FlatBucket]] = []
+        prints: list[str] = [f"reduce_dtype={config.wire_dtype}"]
+        first = 0
         for k, o in enumerate(opts):
-            flags = [is_elementwise(type(o.optim), self._elementwise)] * len(o.param_groups)
+            flags = [is_elementwise(type(o.optim), config.elementwise)] * len(o.param_groups)
             mine, group_prints = build_flat_buckets(
-                o.param_groups, flags, self.world_size, cap, first_cap,
-                first_index=len(buckets), bucket_type=_Bucket,
+                o.param_groups, flags, self.world_size, config.cap_bytes, config.first_cap_bytes,
+                first_index=first, bucket_type=FlatBucket,
             )  # fmt: skip
-            for bucket in mine:
-                bucket.reset_backward()
-            spans.append((len(buckets), len(buckets) + len(mine)))
-            buckets += mine
+            per_opt.append(mine)
+            first += len(mine)
             prints += [f"optimizer {k}: {fp}" for fp in group_prints]
         agree_plan(prints, self.group)
-        self._buckets = buckets
         if sync:
-            self._sync_at_startup([p for o in opts for g in o.param_groups for p in g["params"]])
-        for k, (o, (a, b)) in enumerate(zip(opts, spans, strict=True)):
-            stepper = ShardStepper(
-                buckets[a:b], type(o.optim), o.param_groups, dict(o.defaults), self.rank,
-                o.master_dtype,
-            )  # fmt: skip
-            if k < len(self._units):
-                self._units[k].rebuild(buckets[a:b], stepper)
+            self._sync_at_startup(
+                [b for bs in per_opt for b in bs],
+                [p for o in opts for g in o.param_groups for p in g["params"]],
+            )
+        for k, (o, buckets) in enumerate(zip(opts, per_opt, strict=True)):
+            if k < len(self._groups):
+                self._groups[k].rebuild(buckets, self.module)
             else:
-                self._units.append(_Unit(self._host, k, o, buckets[a:b], stepper))
-        for h in self._grad_hooks:
-            h.remove()
-        self._reducer = _Reducer(
-            buckets,
-            self._comm,
-            self.reduce_dtype,
-            keep_pool=self._keep_staging,
-            scratch_bytes=max((u.stepper.scratch_bytes() for u in self._units), default=0),
-        )
-        self._reducer.bucket_views = self.gradient_as_bucket_view
-        self._reducer.enabled = not self._no_sync
-        self._reducer.on_backward_start = lambda: self._agree_reduction(_BACKWARD)
+                self._groups.append(
+                    BucketGroup(k, o, self._comm, config, self._reducer, buckets, self.module)
+                )
         # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
-        self._grad_hooks = self._reducer.register_hooks()
-        self._gather.rebuild(buckets, self.module)
-        self._trainable = [p.requires_grad for p in self.module.parameters()]
+        self._reducer.lay_out(self._groups)
+
+    @property
+    def _buckets(self) -> list[FlatBucket]:
+        """Every bucket of every group, in launch order."""
+        return [b for g in self._groups for b in g.buckets]
+
+    # ------------------------------------------------------------------ options
+    @property
+    def broadcast_buffers(self) -> bool:
+        """See :attr:`ShardedDataParallelConfig.broadcast_buffers`."""
+        return self.ddp_config.broadcast_buffers
+
+    @property
+    def auto_refresh_trainable(self) -> bool:
+        """See :attr:`ShardedDataParallelConfig.auto_refresh_trainable`."""
+        return self.ddp_config.auto_refresh_trainable
+
+    @property
+    def warn_on_trainable_params_changed(self) -> bool:
+        """See :attr:`ShardedDataParallelConfig.warn_on_trainable_params_changed`."""
+        return self.ddp_config.warn_on_trainable_params_changed
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (``reduce_fp16`` resolved); ``None``: each
+        bucket's own. See [Note: Reduce dtype] in ``shardkit.ddp._reducer``."""
+        return self.ddp_config.wire_dtype
+
+    @property
+    def overlap_param_gather(self) -> bool:
+        """See :attr:`ShardedDataParallelConfig.overlap_param_gather`."""
+        return self.ddp_config.overlap_param_gather
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        """See [Note: Gradients as bucket views] in ``shardkit.ddp._reducer``."""
+        return self.ddp_config.gradient_as_bucket_view
+
+    @property
+    def last_closure_loss(self) -> Any:
+        """The loss of the last closure a wrapped optimizer's ``step(closure)`` ran (fairscale's
+        attribute); ``None`` before any."""
+        return max(self._groups, key=lambda g: g.closure_order).last_closure_loss
 
     # ------------------------------------------------------------------ set-up
-    def _sync_at_startup(self, params: list[torch.Tensor]) -> None:
+    def _sync_at_startup(self, buckets: list[FlatBucket], params: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for b in self._buckets:
+            for b in buckets:
                 self._comm.broadcast(b.flat, 0)
-            bucketed = {id(p) for b in self._buckets for p in b.params}
+            bucketed = {id(p) for b in buckets for p in b.params}
             for p in params:
                 if id(p) not in bucketed:
                     self._comm.broadcast(p.data, 0)
@@ -370,16 +378,15 @@ class ShardedDataParallel(nn.Module):
                             f"(double backward / create_graph=True): ShardedDataParallel reduces "
                             f"detached gradients; use torch DDP for higher-order gradients"
                         )
+            where = self._reducer.where  # a param is in the layout iff it was trainable
             if self.auto_refresh_trainable and any(
-                p.requires_grad != t
-                for p, t in zip(self.module.parameters(), self._trainable, strict=True)
+                p.requires_grad != (id(p) in where) for p in self.module.parameters()
             ):
                 self.refresh_trainable()  # See [Note: Trainable refresh]
-        if self._reducer.in_backward and not self._reducer.inflight:
-            self._reducer.in_backward = False  # the last backward raised before its end
+        self._reducer.end_aborted_pass()  # the last backward raised before its end
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self._sync_buffers_next:
-            self._agree(_FORWARD)  # See [Note: Wrapper agreements]
+            self._agree(FORWARD)  # See [Note: Wrapper agreements]
             with torch.no_grad(), phase("broadcast_buffers"):
                 for buf in buffers:
                     self._comm.broadcast(buf, 0)
@@ -412,26 +419,26 @@ class ShardedDataParallel(nn.Module):
         """
         flags = [p.requires_grad for p in self.module.parameters()]
         digest = int.from_bytes(hashlib.sha256(bytes(flags)).digest()[:7], "big")
-        if not self._agree(_REFRESH, digest=digest):
+        if not self._agree(REFRESH, digest=digest):
             raise ValueError(
                 "ShardedDataParallel.refresh_trainable(): ranks changed requires_grad on "
                 "different params; every rank must freeze and unfreeze the same params"
             )
-        if any(not b.grad_fresh for b in self._buckets):  # agreed: launches are collective
+        if any(g.has_reduced_grads() for g in self._groups):  # agreed: launches are collective
             raise RuntimeError(
                 "requires_grad changed while reduced gradients wait for optimizer.step(): call "
                 "step() or zero_grad() before changing which params train"
             )
         check_params(self.module, [o.param_groups for o in self.sharded_optimizers])
         # each optimizer_state_dict() waits for the reductions and the param gathers first
-        states = [self.optimizer_state_dict(u.index) for u in self._units]
+        states = [g.full_state_dict() for g in self._groups]
         with torch.no_grad():
             for b in self._buckets:
                 for p in b.params:
                     p.data = p.data.clone()  # off the old flat buffer
         self._build(sync=False)
-        for u, sd in zip(self._units, states, strict=True):
-            self.load_optimizer_state_dict(sd, u.index)
+        for g, sd in zip(self._groups, states, strict=True):
+            g.load_full_state_dict(sd)
         logger.info(
             "ShardedDataParallel: requires_grad changed, bucket layout rebuilt (%d trainable "
             "params, %d buckets)",
@@ -447,38 +454,26 @@ class ShardedDataParallel(nn.Module):
         old = self._no_sync
         self._no_sync = True
         self._no_sync_entries += 1  # agreed at the next reduction: see _agree_reduction
-        self._reducer.enabled = False
+        self._reducer.set_enabled(False)
         try:
             yield
         finally:
             self._no_sync = old
-            self._reducer.enabled = not old
+            self._reducer.set_enabled(not old)
 
     def reduce(self) -> None:
         """Reduces the gradients accumulated in ``.grad`` (under ``no_sync()``) now, outside a
         backward pass (fairscale's manual reduction). Collective."""
         if self._reducer.in_backward:
             raise RuntimeError("ShardedDataParallel.reduce() cannot run inside a backward pass")
-        self._agree_reduction(_REDUCE)
+        self._agree_reduction(REDUCE)
         self._reducer.start_pass()
         self._reducer.flush()
 
     # ------------------------------------------------------------------ agreement
-    # [Note: Wrapper agreements]
-    # Every collective phase of the wrapper starts with shardkit-optim's bounded call agreement
-    # (its [Note: Call agreement]), so ranks that are not in the same phase raise on every rank,
-    # naming the phases, within ``collective_timeout`` (default 30 s), instead of pairing
-    # mismatched collectives (a Gloo abort) or waiting for the process group's timeout:
-    # the buffer broadcast before a forward, the first gradient of every synchronised backward
-    # (which also agrees on how many ``no_sync()`` blocks each rank entered since the last
-    # reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()``; the step
-    # agrees through ``ShardedOptimizer.check_step``. Each is one exchange on the c10d store
-    # (shardkit-optim's [Note: Agreement over the store]): no collective, nothing left pending
-    # when it raises, so a rank that raised can exit.
     def _agree(self, call: str, digest: int = 0) -> bool:
-        opt = self.sharded_optimizers[0]
-        same, _, _ = agree_call(call, self.group, opt.collective_timeout, digest=digest)
-        return bool(same)
+        """See [Note: Wrapper agreements] in ``shardkit.ddp._checks``."""
+        return agree(call, self.sharded_optimizers[0], digest)
 
     def _agree_reduction(self, call: str) -> None:
         entries, self._no_sync_entries = self._no_sync_entries, 0
@@ -489,72 +484,6 @@ class ShardedDataParallel(nn.Module):
                 f"alike, or the reduced gradients mix different numbers of micro-batches"
             )
 
-    # ------------------------------------------------------------------ step
-    def _step_unit(self, unit: _Unit, closure: Any) -> Any:
-        """``unit``'s optimizer's ``step(closure)``; see [Note: Optimizer hand-over].
-
-        A closure (fairscale's loops pass one) is evaluated first, once; its loss is returned
-        and kept in :attr:`last_closure_loss`. Both agreements run before any shard moves.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            self.last_closure_loss = loss
-        with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._profiling
-            # Hyper-parameters, requires_grad and the call itself, agreed before any shard
-            # moves (shardkit-optim's [Note: Call agreement]).
-            unit.opt.check_step(self._trainable_error(unit))
-            self.wait_params()
-            self._reducer.wait_inflight()  # the pool stays for the step's scratch
-            unused = self._global_unused(unit.buckets)
-            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.ddp._reducer
-                scratch = self._reducer.idle_buffers()
-                unit.stepper.step(unit.opt.param_groups, unused, scratch=scratch)
-            self._reducer.consume(unit.buckets)
-            self._reducer.trim_pool()
-            with phase("all_gather"):
-                self._gather.issue(unit.buckets)
-        return loss
-
-    def _global_unused(self, buckets: Sequence[_Bucket]) -> set[tuple[int, int]]:
-        """``(bucket index, position)`` of the params of ``buckets`` that no rank used since
-        the last step: one all-reduce (MAX) of a byte per param. See [Note: Per-param
-        fragments] in ``shardkit.optim._shard_stepper``."""
-        live = [b for b in buckets if not b.grad_fresh]
-        if not live:  # nothing reduced since the last step (agreed: launches are collective)
-            return set()
-        used = [i in b.used for b in live for i in range(len(b.params))]
-        mask = torch.tensor(used, dtype=torch.uint8, device=live[0].device)
-        with phase("usage"):
-            self._comm.all_reduce(mask, op=dist.ReduceOp.MAX)
-        if all(used):  # this rank used every param: so did the union
-            return set()
-        flags = iter(mask.tolist())
-        return {(b.index, i) for b in live for i in range(len(b.params)) if not next(flags)}
-
-    def _finish_reductions(self) -> None:
-        """Waits for every in-flight reduce-scatter."""
-        self._reducer.finish_all()
-
-    def _trainable_error(self, unit: _Unit) -> str | None:
-        """This rank's reason to refuse the step if ``requires_grad`` changed since
-        construction; raised on every rank by the optimizer's per-step agreement."""
-        changed = [
-            i
-            for i, (p, t) in enumerate(zip(unit.params(), unit.trainable, strict=True))
-            if p.requires_grad != t
-        ]
-        if not changed:
-            return None
-        return (
-            f"requires_grad changed after ShardedDataParallel was built, on rank {self.rank} "
-            f"(params {changed[:5]}, global indices) after the last forward, or with "
-            f"auto_refresh_trainable=False: the gradients were reduced in the old bucket layout. "
-            f"Change requires_grad before a forward (on every rank alike), or call "
-            f"ddp.refresh_trainable() after changing it"
-        )
-
     def wait_params(self) -> None:
         """Waits for every param all-gather still in flight.
 
@@ -562,36 +491,21 @@ class ShardedDataParallel(nn.Module):
         in ``shardkit.ddp._guard``); call this before params are read where no torch function
         is seen: from another thread, through a raw pointer or a C++ extension.
         """
-        self._gather.wait_all()
+        for g in self._groups:
+            g.wait_params()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._gather.before_module(module)
+        for g in self._groups:
+            g.gather.before_module(module)
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: reduced shards and ``.grad`` left by ``no_sync()``."""
-        self._zero_grad_units(self._units, set_to_none, self.module.parameters())
-
-    def _zero_grad_units(
-        self,
-        units: Sequence[_Unit],
-        set_to_none: bool,
-        params: Iterable[torch.Tensor] | None = None,
-    ) -> None:
-        """Drops the reduced gradients of ``units`` and the ``.grad`` of ``params`` (default:
-        the units' params)."""
-        self._reducer.finish_all()  # not the param gathers: see [Note: Deferred param gather]
-        for unit in units:
-            self._reducer.consume(unit.buckets)
-            unit.stepper.factors.clear()
-        for p in params if params is not None else (p for u in units for p in u.params()):
-            if p.grad is not None:
-                if set_to_none or is_placeholder(p.grad):  # the shard it stood for is consumed
-                    p.grad = None  # See [Note: Reduced-grad placeholders]
-                else:
-                    p.grad.zero_()
+        for g in self._groups:
+            g.discard_gradients()
+        drop_grads(self.module.parameters(), set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the reduced gradients by their global norm (fp32, over every rank's shard).
@@ -608,65 +522,26 @@ class ShardedDataParallel(nn.Module):
                 gradients were already clipped (called twice), or when ranks disagree on
                 either. See [Note: Clip agreement] in ``shardkit.ddp._reducer``.
         """
-        return self._clip_units(self._units, max_norm, norm_type)
-
-    def _clip_units(
-        self, units: Sequence[_Unit], max_norm: float, norm_type: float
-    ) -> torch.Tensor:
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
-            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
-            raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
-        norm_type = float(norm_type)
-        self._agree(_CLIP)  # See [Note: Wrapper agreements]
-        with phase("clip_grad_norm"):
-            self._reducer.finish_all()
-            self.wait_params()
-            device = self._buckets[0].device if self._buckets else torch.device("cpu")
-            scratch = self._reducer.idle_buffers()  # See [Note: Staging lifetime]
-            norms = [u.stepper.local_norm(u.buckets, norm_type, device, scratch) for u in units]
-            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-            # See [Note: Clip agreement] in shardkit.ddp._reducer: the flags ride on the norm's
-            # all-reduce, and every rank takes the same decision from the reduced values.
-            buckets = [b for u in units for b in u.buckets]
-            flags = torch.tensor(self._reducer.clip_flags(buckets), device=device)
-            if math.isinf(norm_type):
-                payload = torch.cat([local.reshape(1), flags.float(), -flags.float()])
-                self._comm.all_reduce(payload, op=dist.ReduceOp.MAX)
-                total = payload[0]
-                counts = None  # MAX gives any / all only
-                anyf, allf = payload[1:3] > 0, -payload[3:5] > 0
-            else:
-                payload = torch.cat([local.double().pow(norm_type).reshape(1), flags.double()])
-                self._comm.all_reduce(payload)
-                total = payload[0].pow(1.0 / norm_type).float()
-                counts = [int(c) for c in payload[1:3].tolist()]
-                anyf, allf = payload[1:3] > 0, payload[1:3] == self.world_size
-            check_clip(anyf.tolist(), allf.tolist(), counts, self.world_size)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-            for u in units:
-                u.stepper.apply_clip(u.buckets, coef)
-            self._reducer.mark_clipped(buckets)
-            return total
+        return clip_groups(self._groups, max_norm, norm_type)
 
     # ------------------------------------------------------------------ state
-    def _unit(self, optimizer: int | ShardedOptimizer | None) -> _Unit:
+    def _group_of(self, optimizer: int | ShardedOptimizer | None) -> BucketGroup:
         if optimizer is None:
-            if len(self._units) != 1:
+            if len(self._groups) != 1:
                 raise ValueError(
-                    f"this ShardedDataParallel wraps {len(self._units)} optimizers: name one "
+                    f"this ShardedDataParallel wraps {len(self._groups)} optimizers: name one "
                     f"(optimizer=k or the optimizer itself)"
                 )
-            return self._units[0]
-        for u in self._units:
-            if optimizer is u.opt or (
+            return self._groups[0]
+        for g in self._groups:
+            if optimizer is g.opt or (
                 isinstance(optimizer, int)
                 and not isinstance(optimizer, bool)
-                and optimizer == u.index
+                and optimizer == g.index
             ):
-                return u
+                return g
         raise ValueError(
-            f"optimizer must be None, an index below {len(self._units)} or one of the wrapped "
+            f"optimizer must be None, an index below {len(self._groups)} or one of the wrapped "
             f"optimizers, got {optimizer!r}"
         )
 
@@ -678,18 +553,7 @@ class ShardedDataParallel(nn.Module):
 
         See [Note: Optimizer state format] in ``shardkit.optim._shard_state``.
         """
-        unit = self._unit(optimizer)
-        self._agree(_STATE_DICT)  # See [Note: Wrapper agreements]
-        self._reducer.finish_all()
-        self.wait_params()
-        return gather_full_state_dict(
-            unit.stepper,
-            unit.buckets,
-            unit.opt.param_groups,
-            self.group,
-            parked=unit.parked,
-            all_gather=self._comm.all_gather_into,
-        )
+        return self._group_of(optimizer).full_state_dict()
 
     def load_optimizer_state_dict(
         self, state_dict: dict[str, Any], optimizer: int | ShardedOptimizer | None = None
@@ -697,11 +561,7 @@ class ShardedDataParallel(nn.Module):
         """Loads a full optimizer state dict (from :meth:`optimizer_state_dict`, a consolidated
         ``ShardedOptimizer`` or a plain torch optimizer) into this rank's shards of a wrapped
         optimizer (``None``: the only one; else its index or itself)."""
-        unit = self._unit(optimizer)
-        self.wait_params()
-        unit.parked = load_full_state_dict(
-            unit.stepper, unit.buckets, unit.opt.param_groups, state_dict
-        )
+        self._group_of(optimizer).load_full_state_dict(state_dict)
 
     @property
     def comm_stats(self) -> CommStats:
@@ -714,13 +574,10 @@ class ShardedDataParallel(nn.Module):
         the local step's scratch: see [Note: Staging lifetime] in ``shardkit.ddp._reducer``),
         ``optimizer`` (state and masters). Live tensors only: what a process keeps resident
         can be more (the allocator's cache, the backend's own buffers)."""
+        each = [g.memory_bytes() for g in self._groups]
         return {
-            "params": sum(b.flat.numel() * b.flat.element_size() for b in self._buckets),
-            "grads": sum(
-                b.grad_shard.numel() * b.grad_shard.element_size()
-                for b in self._buckets
-                if b.grad_shard is not None
-            ),
+            "params": sum(m["params"] for m in each),
+            "grads": sum(m["grads"] for m in each),
             "staging": self._reducer.staging_bytes(),
-            "optimizer": sum(u.stepper.state_bytes() + u.parked.nbytes() for u in self._units),
+            "optimizer": sum(m["optimizer"] for m in each),
         }

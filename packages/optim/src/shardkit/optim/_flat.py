@@ -130,6 +130,39 @@ class FlatBucket:
         """Device of the params (and of ``flat``)."""
         return self.flat.device
 
+    def attach_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Gives the bucket the buffer its reduced gradient is written into (the driver
+        allocates it, once per layout).
+
+        Args:
+            grad_shard: ``shard`` elements of the bucket's dtype, on its device.
+
+        Raises:
+            ValueError: ``grad_shard`` does not have ``shard`` elements, or the dtype or
+                device differ from ``flat``'s.
+        """
+        if (
+            grad_shard.numel() != self.shard
+            or grad_shard.dtype != self.dtype
+            or grad_shard.device != self.device
+        ):
+            raise ValueError(
+                f"grad_shard of bucket {self.index} must have {self.shard} elements of "
+                f"{self.dtype} on {self.device}, got {grad_shard.numel()} of {grad_shard.dtype} "
+                f"on {grad_shard.device}"
+            )
+        self.grad_shard = grad_shard
+
+    def mark_reduced(self) -> None:
+        """Records that ``grad_shard`` now holds (or is being written) a reduced gradient:
+        :class:`~shardkit.optim.ShardStepper` steps it (``grad_fresh`` becomes false)."""
+        self.grad_fresh = False
+
+    def mark_consumed(self) -> None:
+        """Records that the reduced gradient was consumed (a step or ``zero_grad``): the next
+        reduction overwrites ``grad_shard`` (``grad_fresh`` becomes true)."""
+        self.grad_fresh = True
+
     def range_of(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``flat`` owned by ``rank``."""
         return rank * self.shard, (rank + 1) * self.shard

@@ -167,6 +167,12 @@ class ShardStepper:
                 e.master.copy_(e.tensor)
                 offsets[d] += n
 
+    def drop_factors(self) -> None:
+        """Forgets the pending gradient factors (the loss scaler's ``1/scale``, a clip
+        coefficient) queued for the tensors with masters: the step was skipped, or the
+        gradients they were meant for were dropped (``zero_grad``)."""
+        self.factors.clear()
+
     def all_entries(self) -> list[ShardEntry]:
         """Every entry, group by group."""
         return [e for es in self.entries for e in es]
