@@ -58,8 +58,9 @@ from shardkit.ddp._checks import CLIP, STATE_DICT, agree
 from shardkit.ddp._comm import _Comm, _Pending
 from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._gather import _ParamGather
+from shardkit.ddp._placeholders import drop_grads, is_placeholder
 from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import ALIGN, _Reducer, check_clip, drop_grads, is_placeholder
+from shardkit.ddp._reducer import ALIGN, ParamMap, _Reducer, check_clip
 from shardkit.optim import (
     FlatBucket,
     ParkedState,
@@ -130,6 +131,7 @@ class BucketGroup(ShardOwner):
         reducer: The wrapper's backward pass (bucket order over every group, staging pool).
         buckets: The optimizer's buckets (``shardkit.optim.build_flat_buckets``).
         module: The wrapped module (which submodule holds which bucket's params).
+        where: The layout's one param map (``shardkit.ddp._reducer.param_map``), shared.
     """
 
     name = NAME
@@ -143,6 +145,7 @@ class BucketGroup(ShardOwner):
         reducer: _Reducer,
         buckets: list[FlatBucket],
         module: nn.Module,
+        where: ParamMap,
     ) -> None:
         self.index = index
         self.opt = opt
@@ -154,16 +157,18 @@ class BucketGroup(ShardOwner):
         self.last_closure_loss: Any = None
         self.closure_order = -1
         """When the closure of ``last_closure_loss`` ran (orders the wrapper's groups)."""
-        self._lay_out(buckets, module)
+        self._lay_out(buckets, module, where)
 
-    def rebuild(self, buckets: list[FlatBucket], module: nn.Module) -> None:
+    def rebuild(self, buckets: list[FlatBucket], module: nn.Module, where: ParamMap) -> None:
         """Takes the buckets of a rebuilt layout (``refresh_trainable``; every reduction and
         gather of the old one was waited for)."""
-        self._lay_out(buckets, module)
+        self._lay_out(buckets, module, where)
 
-    def _lay_out(self, buckets: list[FlatBucket], module: nn.Module) -> None:
+    def _lay_out(self, buckets: list[FlatBucket], module: nn.Module, where: ParamMap) -> None:
         opt = self.opt
         self.buckets = buckets
+        self.where = where
+        """The layout's param map (read only; a param is in it iff it was trainable)."""
         self.reductions = [_Reduction(_gaps(b), set(range(len(b.params)))) for b in buckets]
         self.stepper = ShardStepper(
             buckets, type(opt.optim), opt.param_groups, dict(opt.defaults), self.comm.rank,
@@ -174,7 +179,7 @@ class BucketGroup(ShardOwner):
         self.gather = _ParamGather(
             self.comm,
             self.config.overlap_param_gather,
-            _module_buckets(buckets, module),
+            self._module_buckets(module),
             buckets,
             lambda: _call(drained),
         )
@@ -360,7 +365,7 @@ class BucketGroup(ShardOwner):
         """This rank's reason to refuse the step if ``requires_grad`` changed since the layout
         was built (a param is in the layout iff it was trainable then); raised on every rank
         by the optimizer's per-step agreement."""
-        where = self.reducer.where
+        where = self.where
         changed = [i for i, p in enumerate(self.params()) if p.requires_grad != (id(p) in where)]
         if not changed:
             return None
@@ -378,6 +383,19 @@ class BucketGroup(ShardOwner):
             b.mark_consumed()  # the next reduce-scatter overwrites the shard
             r.used.clear()
             r.clipped = False
+
+    def _module_buckets(self, module: nn.Module) -> dict[nn.Module, list[int]]:
+        """Buckets (indices) of the group's params each submodule owns directly (its forward
+        pre-hook waits for their gathers: [Note: Deferred param gather] in
+        ``shardkit.ddp._gather``)."""
+        out: dict[nn.Module, list[int]] = {}
+        for sub in module.modules():
+            places = [self.where.get(id(p)) for p in sub.parameters(recurse=False)]
+            own = sorted({self.buckets[w[1]].index for w in places
+                          if w is not None and w[0] == self.index})  # fmt: skip
+            if own:
+                out[sub] = own
+        return out
 
     def _gathers_drained(self) -> None:
         if self.state is GroupState.GATHERING:
@@ -521,19 +539,6 @@ def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
     fn = method()
     if fn is not None:
         fn()
-
-
-def _module_buckets(buckets: Sequence[FlatBucket], module: nn.Module) -> dict[nn.Module, list[int]]:
-    """Buckets (indices) of the params each submodule owns directly (its forward pre-hook
-    waits for their gathers: [Note: Deferred param gather] in ``shardkit.ddp._gather``)."""
-    bucket_of = {id(p): b.index for b in buckets for p in b.params}
-    out: dict[nn.Module, list[int]] = {}
-    for sub in module.modules():
-        own = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False)
-                      if id(p) in bucket_of})  # fmt: skip
-        if own:
-            out[sub] = own
-    return out
 
 
 def _allocate_grad_shards(buckets: Sequence[FlatBucket]) -> None:

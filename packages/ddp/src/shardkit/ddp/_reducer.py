@@ -59,30 +59,6 @@ copy, so no temporary of the gradient's size is made (``torch.mul(..., out=)`` i
 dtype computes into one). So fp16 reduction of an fp32 model
 halves the wire bytes and the staging memory, and costs the precision of an fp16 sum, like
 DDP's ``fp16_compress_hook``; ``reduce_dtype=torch.float32`` on a bf16 model sums in fp32.
-
-[Note: Reduced-grad placeholders]
-Once a synchronised backward has staged a param's gradient, ``.grad`` is not left ``None``
-(torch's ``clip_grad_norm_`` would then see no gradient and return 0.0 without clipping): it is
-set to that param's :class:`_ReducedGrad`, a ``torch.Tensor`` subclass of the param's shape,
-dtype and device that expands one shared 0-d zero per (dtype, device), so it holds no memory.
-Its ``__torch_function__`` lets metadata through (``shape``, ``dtype``, ``device``,
-``is_sparse``, ``size()``, ...) and turns what ``zero_grad(set_to_none=False)`` of
-``nn.Module`` and ``torch.optim`` calls on a ``.grad`` (``zero_``, ``requires_grad_``,
-``detach_``, ``_foreach_zero_``) into no-ops; every other torch op (``torch.linalg.vector_norm``,
-``torch._foreach_norm``, ``mul_``, ...) raises a RuntimeError naming
-``ShardedDataParallel.clip_grad_norm_``. The reduced gradient itself lives in the owners' grad
-shards, cut at element boundaries that need not follow any dimension of the param (a rank may
-hold 7 rows and 15 elements of a 12 x 16 weight), so it has no DTensor form (``Shard(dim)`` /
-``Replicate`` placements per param, FSDP2's answer) that torch's clip could reduce; hence an
-error, not a value.
-
-A placeholder never reaches autograd: every bucketed param carries a tensor hook (run before
-``AccumulateGrad`` reads ``.grad``) that drops it, so the next backward, ``no_sync()`` or not,
-accumulates into ``None`` exactly as after ``zero_grad()``; the reduced gradient is still in the
-shard. Placeholders stay after ``step()`` (torch's clip after the step raises too, where DDP
-would measure the stale gradients) and are dropped by the wrapper's and the optimizer's
-``zero_grad`` (both ``set_to_none`` values: the shards are consumed, so there is no gradient).
-``copy.deepcopy`` of a param does not copy ``.grad`` (``nn.Parameter.__deepcopy__``).
 """
 
 from __future__ import annotations
@@ -90,16 +66,17 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
 from shardkit.ddp._comm import _Comm
 from shardkit.ddp._config import ShardedDataParallelConfig
+from shardkit.ddp._placeholders import _ReducedGrad
 from shardkit.ddp._profiling import phase
 from shardkit.optim import FlatBucket, queue_end_of_backward
 
-__all__ = ["ALIGN", "BucketOwner", "check_clip", "drop_grads", "is_placeholder"]
+__all__ = ["ALIGN", "BucketOwner", "ParamMap", "check_clip", "param_map"]
 
 logger = logging.getLogger("shardkit.ddp")
 _MAX_STAGING = 2
@@ -108,84 +85,6 @@ ALIGN = 16
 and can be viewed in a wider dtype (the step's scratch)."""
 _warned_extra_staging = False
 _logged_views_dtype = False
-
-
-class _ReducedGrad(torch.Tensor):
-    """``.grad`` of a param whose gradient was reduce-scattered into the owners' shards.
-
-    See [Note: Reduced-grad placeholders]. Metadata reads work, torch ops raise.
-    """
-
-    @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Iterable[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__" or name in _METADATA:  # property getters and metadata methods
-            return cast(Any, super()).__torch_function__(func, types, args, kwargs)
-        if name in _NO_OPS:  # what zero_grad(set_to_none=False) calls on a .grad
-            return args[0] if args else None
-        if name == "_foreach_zero_":  # torch.optim's zero_grad(set_to_none=False), foreach
-            for t in args[0]:
-                if not isinstance(t, _ReducedGrad):
-                    t.zero_()
-            return None
-        raise RuntimeError(_reduced_grad_error(func, args))
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return (
-            f"_ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
-            f"reduce-scattered by ShardedDataParallel into the owners' gradient shards)"
-        )
-
-    def __format__(self, spec: str) -> str:
-        return repr(self)
-
-
-_METADATA = frozenset(
-    (
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "stride",
-        "storage_offset",
-        "element_size",
-        "is_contiguous",
-        "is_floating_point",
-        "is_complex",
-        "untyped_storage",
-        "data_ptr",
-        "__hash__",
-        "__len__",
-    )
-)
-_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
-
-
-def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
-    where = [a for a in args if isinstance(a, _ReducedGrad)]
-    where += [
-        t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, _ReducedGrad)
-    ]
-    what = f"shape {tuple(where[0].shape)}, {where[0].dtype}" if where else "a param's"
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    return (
-        f"{name} was called on the .grad of a param ({what}) wrapped by "
-        f"shardkit.ddp.ShardedDataParallel, whose gradient was reduce-scattered into the "
-        f"gradient shards of the ranks that own it: .grad is a placeholder without values, so "
-        f"torch.nn.utils.clip_grad_norm_ and any other op on it cannot run. Clip with "
-        f"ShardedDataParallel.clip_grad_norm_(max_norm) (or optimizer.clip_grad_norm(max_norm), "
-        f"collective, on every rank) after backward and before optimizer.step(). For full "
-        f"local gradients in .grad, run the backward under ddp.no_sync() (ddp.reduce() then "
-        f"reduces them); for all-reduced full gradients, use torch DistributedDataParallel."
-    )
 
 
 class _WeakHook:
@@ -213,9 +112,21 @@ class _WeakHook:
             reducer.on_grad(p)
 
 
-def is_placeholder(t: torch.Tensor | None) -> bool:
-    """Whether ``t`` is a reduced-grad placeholder (see [Note: Reduced-grad placeholders])."""
-    return type(t) is _ReducedGrad
+ParamMap = dict[int, tuple[int, int, int]]
+"""``id(param)`` -> (its group's index, its bucket's position in the group, its position in the
+bucket): the one param map of a bucket layout, built by :func:`param_map` and shared, read
+only, by the backward pass and the groups."""
+
+
+def param_map(per_group: Sequence[Sequence[FlatBucket]]) -> ParamMap:
+    """The :data:`ParamMap` of the buckets of each group (a param is in it iff it was
+    trainable when the layout was built)."""
+    return {
+        id(p): (gi, k, i)
+        for gi, buckets in enumerate(per_group)
+        for k, b in enumerate(buckets)
+        for i, p in enumerate(b.params)
+    }
 
 
 class BucketOwner(Protocol):
@@ -283,9 +194,9 @@ class _Reducer:
         self.next_launch = 0
         self.order: list[tuple[BucketOwner, int]] = []
         """Every bucket as (group, position in the group), in launch (index) order."""
-        self.where: dict[int, tuple[BucketOwner, int, int]] = {}
-        """``id(param)`` -> (its group, bucket position in the group, position in the bucket):
-        the one param map of the layout."""
+        self.groups: list[BucketOwner] = []
+        self.where: ParamMap = {}
+        """The layout's param map (see :data:`ParamMap`)."""
         self.inflight: list[tuple[BucketOwner, int]] = []
         """The launched, unfinished buckets, in launch order."""
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -296,13 +207,12 @@ class _Reducer:
         self._placeholders: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []
 
-    def lay_out(self, groups: Sequence[BucketOwner]) -> None:
-        """Takes the groups' (re)built buckets: the param map, the staging pool, the
+    def lay_out(self, groups: Sequence[BucketOwner], where: ParamMap) -> None:
+        """Takes the groups' (re)built buckets and their param map: the staging pool, the
         placeholders and the gradient hooks (the old ones removed). Nothing is in flight."""
+        self.groups = list(groups)
         self.order = [(g, k) for g in groups for k in range(len(g.buckets))]
-        self.where = {
-            id(p): (g, k, i) for g, k in self.order for i, p in enumerate(g.buckets[k].params)
-        }
+        self.where = where
         self.next_launch = 0
         self.inflight = []
         self._free, self._count, self._size = {}, {}, {}
@@ -361,7 +271,8 @@ class _Reducer:
         views = self.config.gradient_as_bucket_view
         if not (views and self.enabled and self.in_backward) or p.grad is not None:
             return
-        g, k, i = self.where[id(p)]
+        gi, k, i = self.where[id(p)]
+        g = self.groups[gi]
         if not g.is_pending(k, i):
             return
         b = g.buckets[k]
@@ -434,7 +345,8 @@ class _Reducer:
             self.on_backward_start()  # the wrapper's agreement: may raise
             self.start_pass()
             queue_end_of_backward(self.flush)
-        g, k, i = self.where[id(p)]
+        gi, k, i = self.where[id(p)]
+        g = self.groups[gi]
         if not g.is_pending(k, i) or p.grad is None:
             return
         self._stage(g, k, i, p.grad)
@@ -457,7 +369,7 @@ class _Reducer:
         self._views.clear()
         self.in_backward = True
         self.next_launch = 0
-        for g in {id(g): g for g, _ in self.order}.values():
+        for g in self.groups:
             g.begin_pass()
 
     def _stage(self, g: BucketOwner, k: int, i: int, grad: torch.Tensor | None) -> None:
@@ -561,18 +473,6 @@ class _Reducer:
         for key, free in self._free.items():
             self._count[key] -= len(free)
             free.clear()
-
-
-def drop_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
-    """``zero_grad`` of ``params``' ``.grad`` after their reduced gradients were consumed: a
-    placeholder is dropped whatever ``set_to_none`` says (the shard it stood for is consumed;
-    see [Note: Reduced-grad placeholders]), a full local gradient is zeroed or dropped."""
-    for p in params:
-        if p.grad is not None:
-            if set_to_none or is_placeholder(p.grad):
-                p.grad = None
-            else:
-                p.grad.zero_()
 
 
 # [Note: Clip agreement]

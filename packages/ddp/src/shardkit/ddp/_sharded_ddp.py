@@ -29,8 +29,9 @@ from shardkit.ddp._checks import (
 from shardkit.ddp._comm import CommStats, _Comm
 from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
+from shardkit.ddp._placeholders import drop_grads
 from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import _Reducer, drop_grads
+from shardkit.ddp._reducer import _Reducer, param_map
 from shardkit.optim import FlatBucket, ShardedOptimizer, build_flat_buckets, is_elementwise
 from shardkit.partition import check_consistent
 from torch import nn
@@ -59,7 +60,7 @@ class ShardedDataParallel(nn.Module):
     :meth:`clip_grad_norm_` (or ``optimizer.clip_grad_norm``) after backward and before
     ``step()``; it raises after ``step()`` or when called twice. Backwards under
     :meth:`no_sync` leave full local gradients in ``.grad``, as DDP does. See [Note:
-    Reduced-grad placeholders] in ``shardkit.ddp._reducer``.
+    Reduced-grad placeholders] in ``shardkit.ddp._placeholders``.
 
     ``copy.deepcopy`` of the wrapped module gives a plain module (finished params, no hooks,
     no process group), as under DDP; see [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``.
@@ -254,15 +255,18 @@ class ShardedDataParallel(nn.Module):
                 [b for bs in per_opt for b in bs],
                 [p for o in opts for g in o.param_groups for p in g["params"]],
             )
+        where = param_map(per_opt)  # the layout's one param map
         for k, (o, buckets) in enumerate(zip(opts, per_opt, strict=True)):
             if k < len(self._groups):
-                self._groups[k].rebuild(buckets, self.module)
+                self._groups[k].rebuild(buckets, self.module, where)
             else:
                 self._groups.append(
-                    BucketGroup(k, o, self._comm, config, self._reducer, buckets, self.module)
+                    BucketGroup(
+                        k, o, self._comm, config, self._reducer, buckets, self.module, where
+                    )
                 )
-        # See [Note: Reduced-grad placeholders] in shardkit.ddp._reducer
-        self._reducer.lay_out(self._groups)
+        # See [Note: Reduced-grad placeholders] in shardkit.ddp._placeholders
+        self._reducer.lay_out(self._groups, where)
 
     @property
     def _buckets(self) -> list[FlatBucket]:
