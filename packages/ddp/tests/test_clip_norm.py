@@ -72,7 +72,9 @@ def _check_accuracy(dtype: torch.dtype, norm_types: tuple[float, ...]) -> None:
     sdp.wait_params()
     coef = 0.5 * want / (float(got) + 1e-6)
     expect = -0.1 * coef * m.coefs[2].double()
-    torch.testing.assert_close(m.ps[2].detach().double(), expect, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=0)
+    torch.testing.assert_close(
+        m.ps[2].detach().double(), expect, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=0
+    )
 
 
 @world(2, timeout=240)
@@ -103,9 +105,7 @@ def test_clip_mismatch_raises_on_every_rank(via: str) -> None:
         r"rank 1: \(0\.5, 2\.0\); pass the same values on every rank",
     ):
         clip(1.0 if rank == 0 else 0.5)
-    with pytest.raises(
-        ValueError, match=r"rank 0: \(1\.0, 2\.0\), rank 1: \(1\.0, inf\)"
-    ):
+    with pytest.raises(ValueError, match=r"rank 0: \(1\.0, 2\.0\), rank 1: \(1\.0, inf\)"):
         clip(1.0, 2.0 if rank == 0 else math.inf)
     # Nothing was clipped: the same gradients clip once with agreeing values, counted once.
     calls = sdp.comm_stats.calls["all_gather"]

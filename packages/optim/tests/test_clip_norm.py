@@ -102,7 +102,9 @@ def test_block_norms_and_partial() -> None:
             [torch.linalg.vector_norm(c.double(), norm_type) for c in x.split(BLOCK)]
         )
         torch.testing.assert_close(blocks.double(), want, rtol=1e-6, atol=0)
-        partial = grad_norm_partial([blocks, block_norms(x[:5].view(5, 1), norm_type)], norm_type, x.device)
+        partial = grad_norm_partial(
+            [blocks, block_norms(x[:5].view(5, 1), norm_type)], norm_type, x.device
+        )
         assert partial.dtype == torch.float64
         ref = torch.linalg.vector_norm(torch.cat([x, x[:5]]).double(), norm_type)
         total = partial if math.isinf(norm_type) else partial ** (1 / norm_type)
