@@ -27,12 +27,7 @@ CAP_MB = 0.0006  # ~600 bytes: several buckets once DDP rebuilds them
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(6, 16),
-        nn.Tanh(),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 8),
-        nn.Tanh(),
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
         nn.Linear(8, 2),
     )
 
@@ -68,9 +63,7 @@ def test_scaler_and_clipping_parity(mode: str) -> None:
             for model in (ddp, ref):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaled):
                     loss = nn.functional.mse_loss(model(x), y)
-                (
-                    ref_scaler.scale(loss) if scaler is None or model is ref else scaler.scale(loss)
-                ).backward()
+                (ref_scaler.scale(loss) if scaler is None or model is ref else scaler.scale(loss)).backward()
             if mode == "standard_recipe":
                 assert scaler is not None and clip is not None
                 scaler.unscale_(zero)
@@ -94,9 +87,7 @@ def test_scaler_and_clipping_parity(mode: str) -> None:
                 torch.testing.assert_close(p, q, **tol, msg=lambda m, s=step: f"step {s + 1}: {m}")
             if scaler is not None:
                 assert scaler.get_scale() == ref_scaler.get_scale()
-                skipped = all(
-                    torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True)
-                )
+                skipped = all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
                 assert skipped == (step == 1), f"step {step + 1}: skipped={skipped}"
     finally:
         overlap.close()
