@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -33,8 +32,11 @@ from shardkit.optim import (
     ShardedOptimizer,
     ShardStepper,
     agree_call,
+    agree_grad_norm,
     build_flat_buckets,
+    check_clip_args,
     gather_full_state_dict,
+    grad_norm_partial,
     is_elementwise,
     load_full_state_dict,
     register_call,
@@ -594,7 +596,7 @@ class ShardedDataParallel(nn.Module):
                     p.grad.zero_()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the reduced gradients by their global norm (fp32, over every rank's shard).
+        """Clips the reduced gradients by their global norm (over every rank's shard).
 
         Collective. Call after backward and before ``step()``. Returns the total norm. With
         several optimizers, the norm is over all of them (``optimizer.clip_grad_norm`` clips
@@ -602,7 +604,13 @@ class ShardedDataParallel(nn.Module):
         to use under this wrapper: ``torch.nn.utils.clip_grad_norm_(module.parameters())``
         raises (see the class docstring).
 
+        The norm is shardkit-optim's (its [Note: Sharded grad norm]): fp32 norms of short
+        blocks combined in fp64, as accurate as an fp64 reference to rtol 1e-6.
+
         Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a number.
+            ValueError: on every rank, when ranks pass different ``(max_norm, norm_type)``
+                (naming each rank's values), or invalid ones.
             RuntimeError: on every rank, when no gradient was reduced since the last
                 ``step()`` / ``zero_grad()`` (e.g. called after the step), when these
                 gradients were already clipped (called twice), or when ranks disagree on
@@ -613,41 +621,31 @@ class ShardedDataParallel(nn.Module):
     def _clip_units(
         self, units: Sequence[_Unit], max_norm: float, norm_type: float
     ) -> torch.Tensor:
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
-            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
-            raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
-        norm_type = float(norm_type)
+        max_f, norm_f = check_clip_args(max_norm, norm_type)
         self._agree(_CLIP)  # See [Note: Wrapper agreements]
         with phase("clip_grad_norm"):
             self._reducer.finish_all()
             self.wait_params()
             device = self._buckets[0].device if self._buckets else torch.device("cpu")
             scratch = self._reducer.idle_buffers()  # See [Note: Staging lifetime]
-            norms = [u.stepper.local_norm(u.buckets, norm_type, device, scratch) for u in units]
-            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-            # See [Note: Clip agreement] in shardkit.ddp._reducer: the flags ride on the norm's
-            # all-reduce, and every rank takes the same decision from the reduced values.
+            # shardkit-optim's one clip (its [Note: Sharded grad norm]): fp32 block norms, an
+            # fp64 partial, one all-gather of one row per rank through the counting layer. The
+            # flags ride in the row (see [Note: Clip agreement] in shardkit.ddp._reducer).
+            norms = [n for u in units for n in u.stepper.grad_norms(u.buckets, norm_f, scratch)]
             buckets = [b for u in units for b in u.buckets]
-            flags = torch.tensor(self._reducer.clip_flags(buckets), device=device)
-            if math.isinf(norm_type):
-                payload = torch.cat([local.reshape(1), flags.float(), -flags.float()])
-                self._comm.all_reduce(payload, op=dist.ReduceOp.MAX)
-                total = payload[0]
-                counts = None  # MAX gives any / all only
-                anyf, allf = payload[1:3] > 0, -payload[3:5] > 0
-            else:
-                payload = torch.cat([local.double().pow(norm_type).reshape(1), flags.double()])
-                self._comm.all_reduce(payload)
-                total = payload[0].pow(1.0 / norm_type).float()
-                counts = [int(c) for c in payload[1:3].tolist()]
-                anyf, allf = payload[1:3] > 0, payload[1:3] == self.world_size
-            check_clip(anyf.tolist(), allf.tolist(), counts, self.world_size)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            norm = agree_grad_norm(
+                grad_norm_partial(norms, norm_f, device),
+                max_f,
+                norm_f,
+                self.group,
+                flags=self._reducer.clip_flags(buckets),
+                all_gather=self._comm.all_gather_into,
+            )
+            check_clip(norm.flags)
             for u in units:
-                u.stepper.apply_clip(u.buckets, coef)
+                u.stepper.apply_clip(u.buckets, norm.coef)
             self._reducer.mark_clipped(buckets)
-            return total
+            return norm.total
 
     # ------------------------------------------------------------------ state
     def _unit(self, optimizer: int | ShardedOptimizer | None) -> _Unit:
