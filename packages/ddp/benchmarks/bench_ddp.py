@@ -9,8 +9,8 @@ Gloo on CPU, spawned ranks; model: 6 x Linear(W, W) + GELU (``SHARDKIT_BENCH_WID
   ZeroRedundancyOptimizer / fairscale OSS (DDP's all-reduce plus every param broadcast from
   its owner: ``+ (N-1)/N``), world 2 and 4; and with ``reduce_fp16=True`` against DDP with
   ``fp16_compress_hook`` (an fp16 all-reduce). The bytes Gloo actually sends are measured by
-  ``wire_bytes.py`` (on Gloo the package's reduce-scatter, one in-place reduce per rank's range,
-  sends 1.5x the ring figure at world 2).
+  ``wire_bytes.py`` (Gloo's reduce-scatter sends twice the ring figure, so on Gloo the package
+  sends 1.5x DDP's bytes).
 - ``memory``: bytes per param held on rank 0 after a step (live tensors: params, grads, grad
   shards, staging buffers, optimizer state, masters), bf16 model + fp32 masters + AdamW, against
   DDP + AMP (fp32 params, fp32 grads as bucket views, AdamW state), world 2 and 4.

@@ -123,3 +123,29 @@ def test_one_broadcast_per_bucket_and_owner(shard_buckets: bool) -> None:
         assert all(owners == works for owners, works in calls), calls
     finally:
         overlap.close()
+
+
+@world(2)
+def test_clip_mismatch_raises_on_every_rank() -> None:
+    """Issue 39: ranks that declare different ``max_grad_norm`` raise ``ValueError`` at the
+    loop step on every rank, naming each rank's values (shardkit-optim's one sharded clip)."""
+    net = _net()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    zero = ShardedOptimizer(net.parameters(), torch.optim.Adam, lr=0.01)
+    overlap = register_zero_overlap(ddp, zero, max_grad_norm=1.0 if dist.get_rank() == 0 else 0.5)
+    try:
+        x, y = _batch(0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        with pytest.raises(
+            ValueError,
+            match=r"ranks pass different \(max_norm, norm_type\): rank 0: \(1\.0, 2\.0\), "
+            r"rank 1: \(0\.5, 2\.0\); pass the same values on every rank",
+        ):
+            overlap.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+        # the norm type is agreed too (the loop step clips with the default 2.0)
+        with pytest.raises(ValueError, match=r"rank 0: \(1\.0, 2\.0\), rank 1: \(1\.0, inf\)"):
+            zero.clip_grad_norm(1.0, 2.0 if dist.get_rank() == 0 else math.inf)
+    finally:
+        overlap.close()

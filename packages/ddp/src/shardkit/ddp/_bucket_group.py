@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,8 +66,11 @@ from shardkit.optim import (
     ShardedOptimizer,
     ShardOwner,
     ShardStepper,
+    agree_grad_norm,
+    check_clip_args,
     checkpoint_part,
     gather_full_state_dict,
+    grad_norm_partial,
     load_full_state_dict,
 )
 from torch import nn
@@ -487,14 +489,10 @@ class BucketGroup(ShardOwner):
 
 # ---------------------------------------------------------------------- clipping
 def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float) -> torch.Tensor:
-    """Clips the reduced gradients of ``groups`` by their global norm (fp32, over every rank's
-    shard); returns the norm. Collective. See [Note: Clip agreement] in
-    ``shardkit.ddp._reducer``."""
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
-        raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
-        raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
-    norm_type = float(norm_type)
+    """Clips the reduced gradients of ``groups`` by their global norm (over every rank's
+    shard); returns the norm. Collective. The norm is shardkit-optim's one sharded clip (its
+    [Note: Sharded grad norm]); the flags: [Note: Clip agreement] in ``shardkit.ddp._reducer``."""
+    max_f, norm_f = check_clip_args(max_norm, norm_type)
     first = groups[0]
     reducer, comm = first.reducer, first.comm
     agree(CLIP, first.opt)  # See [Note: Wrapper agreements]
@@ -505,33 +503,24 @@ def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float
         buckets = [b for g in groups for b in g.buckets]
         device = buckets[0].device if buckets else torch.device("cpu")
         scratch = reducer.idle_buffers()  # See [Note: Staging lifetime]
-        norms = [g.stepper.local_norm(g.buckets, norm_type, device, scratch) for g in groups]
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        # See [Note: Clip agreement] in shardkit.ddp._reducer: the flags ride on the norm's
-        # all-reduce, and every rank takes the same decision from the reduced values.
+        # fp32 block norms, an fp64 partial, one all-gather of one row per rank through the
+        # counting layer; the flags ride in the row.
+        norms = [n for g in groups for n in g.stepper.grad_norms(g.buckets, norm_f, scratch)]
         each = [g.clip_flags() for g in groups]
-        flags = torch.tensor(
-            (any(f[0] for f in each), any(f[1] for f in each)), device=device
+        norm = agree_grad_norm(
+            grad_norm_partial(norms, norm_f, device),
+            max_f,
+            norm_f,
+            comm.group,
+            flags=(any(f[0] for f in each), any(f[1] for f in each)),
+            all_gather=comm.all_gather_into,
         )
-        if math.isinf(norm_type):
-            payload = torch.cat([local.reshape(1), flags.float(), -flags.float()])
-            comm.all_reduce(payload, op=dist.ReduceOp.MAX)
-            total = payload[0]
-            counts = None  # MAX gives any / all only
-            anyf, allf = payload[1:3] > 0, -payload[3:5] > 0
-        else:
-            payload = torch.cat([local.double().pow(norm_type).reshape(1), flags.double()])
-            comm.all_reduce(payload)
-            total = payload[0].pow(1.0 / norm_type).float()
-            counts = [int(c) for c in payload[1:3].tolist()]
-            anyf, allf = payload[1:3] > 0, payload[1:3] == comm.world
-        check_clip(anyf.tolist(), allf.tolist(), counts, comm.world)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        check_clip(norm.flags)
         for g in groups:
-            g.stepper.apply_clip(g.buckets, coef)
+            g.stepper.apply_clip(g.buckets, norm.coef)
         for g in groups:
             g.mark_clipped()
-        return total
+        return norm.total
 
 
 # ---------------------------------------------------------------------- layout helpers

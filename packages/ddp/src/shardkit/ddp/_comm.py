@@ -150,7 +150,7 @@ class _Comm:
         self.wait(self.all_gather(out, inp))
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        """Blocking all-reduce (small control values: norms, flags)."""
+        """Blocking all-reduce (small control values: the usage mask)."""
         self._count("all_reduce", t)
         dist.all_reduce(t, op=op, group=self.group)
 

@@ -483,34 +483,34 @@ class _Reducer:
 # shardkit.ddp._bucket_group) whether that gradient was clipped already (cleared by the next
 # launch into the bucket and by ``_consume``). Both change only at
 # collective points (launches in bucket order, steps, clips), so well-formed programs agree on
-# them; still, each rank's two flags (any live bucket, any live bucket clipped) ride on the
-# norm's one all-reduce (SUM: counts; MAX for the inf-norm: ``f`` and ``-f``, i.e. any / all),
-# and every rank decides from the reduced values: no extra collective, the same raise on every
-# rank, never a hang. No live bucket: raise (after ``step()``, after ``zero_grad()``, before any
-# backward); a live bucket clipped already: raise (called twice); ranks that disagree: raise.
-def check_clip(
-    anyf: Sequence[bool], allf: Sequence[bool], counts: Sequence[int] | None, world: int
-) -> None:
+# them; still, each rank's two flags (any live bucket, any live bucket clipped) ride in its row
+# of the clip's one all-gather (shardkit-optim's ``agree_grad_norm``, its [Note: Sharded grad
+# norm]), and every rank decides from every rank's flags: no extra collective, the same raise
+# on every rank, never a hang. No live bucket: raise (after ``step()``, after ``zero_grad()``,
+# before any backward); a live bucket clipped already: raise (called twice); ranks that
+# disagree: raise, naming how many ranks have each.
+def check_clip(flags: Sequence[Sequence[bool]]) -> None:
     """Raises on every rank unless every rank has unclipped reduced gradients.
 
-    ``anyf`` / ``allf``: whether any / every rank has (live gradients, clipped ones);
-    ``counts``: how many ranks have each (``None`` for the inf-norm's MAX reduction).
+    ``flags``: every rank's (has live gradients, has clipped ones), in rank order.
     """
+    world = len(flags)
     for k, what in enumerate(("gradients to clip", "already clipped gradients")):
-        if anyf[k] != allf[k]:
-            how = f"{counts[k]} of {world} ranks have" if counts is not None else "some ranks have"
+        count = sum(bool(f[k]) for f in flags)
+        if 0 < count < world:
             raise RuntimeError(
-                f"clip_grad_norm_: ranks disagree: {how} {what}. Every rank must run the same "
-                f"backward passes, step() and clip calls in the same order; raised on every rank"
+                f"clip_grad_norm_: ranks disagree: {count} of {world} ranks have {what}. Every "
+                f"rank must run the same backward passes, step() and clip calls in the same "
+                f"order; raised on every rank"
             )
-    if not allf[0]:
+    if not all(f[0] for f in flags):
         raise RuntimeError(
             "ShardedDataParallel.clip_grad_norm_ / optimizer.clip_grad_norm found no gradient to "
             "clip: none was reduced since the last optimizer.step() or zero_grad() (the step "
             "consumes the reduced gradients; a clip after it would clip nothing). Call it after "
             "backward and before step(), on every rank."
         )
-    if allf[1]:
+    if any(f[1] for f in flags):
         raise RuntimeError(
             "ShardedDataParallel.clip_grad_norm_ / optimizer.clip_grad_norm was already called on "
             "these gradients since they were reduced: clip once, after backward and before "

@@ -29,7 +29,15 @@ from shardkit.optim._checkpoint import (
     load_sharded,
     save_sharded,
 )
-from shardkit.optim._dist import global_rank
+from shardkit.optim._clip import (
+    BLOCK,
+    GradNorm,
+    agree_grad_norm,
+    block_norms,
+    check_clip_args,
+    grad_norm_partial,
+)
+from shardkit.optim._dist import AllGather, global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._flat import (
     ELEMENTWISE_OPTIMIZERS,
@@ -37,10 +45,10 @@ from shardkit.optim._flat import (
     build_flat_buckets,
     is_elementwise,
 )
+from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._grad_scaler import ShardedGradScaler
 from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._shard_state import (
-    AllGather,
     ParkedState,
     checkpoint_part,
     gather_full_state_dict,
@@ -55,10 +63,13 @@ from shardkit.optim._torch_compat import (
 )
 
 __all__ = [
+    "BLOCK",
     "ELEMENTWISE_OPTIMIZERS",
     "OSS",
     "AllGather",
     "FlatBucket",
+    "GradFactors",
+    "GradNorm",
     "ParkedState",
     "SafeFileSystemReader",
     "ShardEntry",
@@ -73,14 +84,18 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "__version__",
     "agree_call",
+    "agree_grad_norm",
     "agree_outcome",
     "agree_values",
     "all_gather_single",
+    "block_norms",
     "build_flat_buckets",
+    "check_clip_args",
     "checkpoint_part",
     "describe_difference",
     "gather_full_state_dict",
     "global_rank",
+    "grad_norm_partial",
     "hyperparam_digest",
     "hyperparams",
     "is_elementwise",

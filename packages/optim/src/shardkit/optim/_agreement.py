@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeAlias
@@ -68,7 +67,6 @@ import torch.distributed as dist
 from shardkit.optim._dist import global_rank
 from shardkit.optim._exchange import GaveUp, exchange
 from shardkit.optim._state import _hyperparams
-from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
 __all__ = [
@@ -470,37 +468,6 @@ def describe_difference(gathered: list[list[dict[str, Any]]]) -> str:
         if len(groups) != len(gathered[0]):
             return f"rank 0 has {len(gathered[0])} param groups, rank {r} has {len(groups)}"
     return "the hyper-parameters differ in their representation"
-
-
-def agree_clip(
-    local: torch.Tensor, max_norm: float, norm_type: float, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """The total norm from every rank's partial norm, checking that every rank clips the same
-    way (``max_norm``, ``norm_type``); one all-gather of three floats per rank.
-
-    Raises:
-        ValueError: ranks pass different ``max_norm`` or ``norm_type`` (on every rank).
-    """
-    world = dist.get_world_size(group)
-    mine = torch.stack(
-        [
-            local.to(torch.float64),
-            torch.tensor(max_norm, dtype=torch.float64, device=local.device),
-            torch.tensor(norm_type, dtype=torch.float64, device=local.device),
-        ]
-    )
-    out = torch.empty(world * 3, dtype=torch.float64, device=local.device)
-    all_gather_single(out, mine, group=group)
-    rows = out.view(world, 3)
-    settings = rows[:, 1:].tolist()
-    if any(s != settings[0] for s in settings):
-        raise ValueError(
-            "clip_grad_norm: ranks pass different (max_norm, norm_type): "
-            + ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(settings))
-            + "; every rank must clip with the same values"
-        )
-    partial = rows[:, 0].to(torch.float32)
-    return partial.max() if math.isinf(norm_type) else partial.sum()
 
 
 def check_param_order(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:

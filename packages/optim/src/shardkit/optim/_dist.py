@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_rank"]
+__all__ = ["AllGather", "global_rank"]
+
+AllGather = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], object]
+"""``all_gather(output, input, group)``: a blocking all-gather of every rank's ``input`` into
+one ``output`` tensor; a driver passes its own to count the bytes. The default is torch's
+single-tensor all-gather (``all_gather_single``, ``all_gather_into_tensor`` before it)."""
 
 
 # [Note: Rank numbering]

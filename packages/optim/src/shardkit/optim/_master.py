@@ -48,6 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from shardkit.optim._grad_factors import GradFactors
 
 __all__: list[str] = []
 
@@ -106,8 +107,8 @@ class _Masters:
         self._grads: dict[torch.device, torch.Tensor] = {}
         """Per device, the flat buffer of a chunk's upcast grads, reused (see [Note: Master
         weights])."""
-        # pending gradient multipliers (the scaler's 1/scale, clip coefficients), in order
-        self.factors: list[torch.Tensor] = []
+        self.factors = GradFactors()
+        """Pending gradient multipliers (the scaler's 1/scale, clip coefficients), in order."""
 
     def add(self, p: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         """Makes ``p``'s master from ``value`` (a moved or kept master) or the live param."""
@@ -183,8 +184,7 @@ class _Masters:
                 view.copy_(grad)
                 m.grad = view
                 off += m.numel()
-            for factor in self.factors:  # one multiply each, in order: as if applied in place
-                flat.mul_(factor.to(device=device, dtype=self.dtype))
+            self.factors.apply(flat)  # one multiply each, in order: as if applied in place
             flats.append(flat)
         return flats
 
@@ -196,10 +196,6 @@ class _Masters:
                 if m is not None and m.grad is not None:
                     p.copy_(m)
                     m.grad = None
-
-    def add_factor(self, factor: torch.Tensor) -> None:
-        """Queues a multiplication of the next step's fp32 gradients by ``factor``."""
-        self.factors.append(factor.detach().to(dtype=torch.float32).reshape(()).clone())
 
 
 def split_wire(

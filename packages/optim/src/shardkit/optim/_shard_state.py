@@ -21,12 +21,13 @@ collective.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._dist import AllGather
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
@@ -35,17 +36,11 @@ from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
 __all__ = [
-    "AllGather",
     "ParkedState",
     "checkpoint_part",
     "gather_full_state_dict",
     "load_full_state_dict",
 ]
-
-AllGather = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], object]
-"""``all_gather(output, input, group)``: a blocking all-gather of every rank's ``input`` into
-one ``output`` tensor; a driver passes its own to count the bytes. The default is torch's
-single-tensor all-gather (``all_gather_single``, ``all_gather_into_tensor`` before it)."""
 
 
 def _default_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from shardkit.optim._clip import block_norms
 from shardkit.optim._flat import FlatBucket
+from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._master import unscale_grads
 from shardkit.optim._state import _hyperparams as hyperparams
 from torch.optim import Optimizer
@@ -119,7 +121,7 @@ class ShardStepper:
     ) -> None:
         self.rank = rank
         self.master_dtype = master_dtype
-        self.factors: list[torch.Tensor] = []
+        self.factors = GradFactors()
         """Pending gradient factors (loss scaler's ``1/scale``, clip coefficient) for tensors
         with masters, applied in fp32 at the step, in order."""
         self.entries: list[list[ShardEntry]] = [[] for _ in param_groups]
@@ -264,8 +266,7 @@ class ShardStepper:
             mg.copy_(e.grad())
             master.grad = mg
             off += master.numel()
-        for f in self.factors:  # one multiply each, in order
-            flat.mul_(f.to(device=flat.device, dtype=flat.dtype))
+        self.factors.apply(flat)  # one multiply each, in order
         try:
             local.step()
             with torch.no_grad():
@@ -307,33 +308,31 @@ class ShardStepper:
             inv_scale,
         )
         if self.master_dtype is not None:
-            self.factors.append(inv_scale.detach().to(dtype=torch.float32).reshape(()).clone())
+            self.factors.add(inv_scale)
         return found
 
     # ------------------------------------------------------------------ clipping
-    # Clipping by the global norm of the reduced gradients (fp32, over every rank's shard) is
-    # the driver's (shardkit-ddp's ``ShardedDataParallel``): the local norms of one or more
-    # steppers, one all-reduce, then ``apply_clip`` on each. The driver keeps the padding
-    # elements of a shard at zero gradient, so they add nothing to the norm. Shards with
-    # masters count times the pending factors (the loss scaler's ``1/scale`` after
-    # ``unscale_``), as the step will use them.
-    def local_norm(
+    # Clipping by the global norm of the reduced gradients is the driver's (shardkit-ddp's
+    # ``ShardedDataParallel``), through shardkit-optim's one implementation (see [Note: Sharded
+    # grad norm] in ``shardkit.optim._clip``): ``grad_norms`` of one or more steppers, combined
+    # with ``grad_norm_partial`` and ``agree_grad_norm``, then ``apply_clip`` on each. The
+    # driver keeps the padding elements of a shard at zero gradient, so they add nothing to the
+    # norm. Shards with masters count times the pending factors (the loss scaler's ``1/scale``
+    # after ``unscale_``), as the step will use them.
+    def grad_norms(
         self,
         buckets: Sequence[FlatBucket],
         norm_type: float,
-        device: torch.device,
         scratch: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        """The ``norm_type`` norm (fp32) of this rank's live reduced gradients in ``buckets``.
+    ) -> list[torch.Tensor]:
+        """fp32 ``norm_type`` norms of this rank's live reduced gradients in ``buckets``, in
+        blocks of ``BLOCK`` elements (:func:`~shardkit.optim.block_norms`, one tensor per live
+        shard), for :func:`~shardkit.optim.grad_norm_partial`.
 
         ``scratch``: as for :meth:`step`, for the fp32 copy of a shard of another dtype.
         """
         live = [b for b in buckets if not b.grad_fresh and b.grad_shard is not None]
-        if not live:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        norms = [torch.linalg.vector_norm(self._scaled(b, scratch), norm_type) for b in live]
-        total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        return total.to(device)
+        return [block_norms(self._scaled(b, scratch), norm_type) for b in live]
 
     def apply_clip(self, buckets: Sequence[FlatBucket], coef: torch.Tensor) -> None:
         """Multiplies the live shards by ``coef`` (queued as a factor for shards with masters,
@@ -344,19 +343,18 @@ class ShardStepper:
                 continue
             shard.mul_(coef.to(device=shard.device, dtype=shard.dtype))
         if self.master_dtype is not None:
-            self.factors.append(coef.detach().reshape(()).clone())
+            self.factors.add(coef)
 
     def _scaled(self, b: FlatBucket, scratch: Sequence[torch.Tensor]) -> torch.Tensor:
         """The bucket's reduced grad shard in fp32, times the pending factors (the loss
         scaler's ``1/scale``) when its tensors have masters: what the step will use."""
         shard = b.grad_shard
         assert shard is not None  # callers keep live buckets only
-        factors = self.factors if self.has_master(b) else []
-        if shard.dtype == torch.float32 and not factors:
+        if shard.dtype == torch.float32 and not (self.has_master(b) and len(self.factors)):
             return shard
         g = _scratch(shard.numel(), torch.float32, shard.device, scratch).copy_(shard)
-        for f in factors:
-            g.mul_(f.to(device=g.device, dtype=g.dtype))
+        if self.has_master(b):
+            self.factors.apply(g)
         return g
 
 

@@ -655,7 +655,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             ((p.grad, masters.covers(p)) for p in self._layout.params if p.grad is not None),
             inv_scale,
         )
-        masters.add_factor(inv_scale)
+        masters.factors.add(inv_scale)
         return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -686,8 +686,10 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
     ) -> torch.Tensor:
         """Clips gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``. Collective.
 
-        Each rank computes the norm of its owned params' gradients in fp32; the partial norms are
-        reduced over the optimizer's group (MAX for ``inf``). Every local gradient is scaled.
+        Each rank reduces its owned params' gradients to fp32 norms of short blocks, combined in
+        fp64; one all-gather of one row per rank gives every rank the same total and checks
+        that every rank passes the same ``max_norm`` and ``norm_type`` (see [Note: Sharded grad
+        norm] in ``shardkit.optim._clip``). Every local gradient is scaled.
 
         Args:
             max_norm: maximum norm.
@@ -697,6 +699,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
 
         Returns:
             The total norm before clipping (fp32 scalar tensor).
+
+        Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a number.
+            ValueError: on every rank, when ranks pass different ``(max_norm, norm_type)``
+                (naming each rank's values), or invalid ones (negative or NaN ``max_norm``,
+                ``norm_type <= 0``).
         """
         owner = self._owner()
         if owner is not None:
