@@ -288,6 +288,7 @@ def test_a_driver_sets_a_bucket_and_a_stepper_through_their_methods() -> None:
     assert torch.equal(b.flat[: b.shard], before[: b.shard] - 1.0)
     b.mark_consumed()
     assert b.grad_fresh
-    stepper.factors.append(torch.tensor(0.5))
+    stepper.factors.add(torch.tensor(0.5))
+    assert len(stepper.factors) == 1
     stepper.drop_factors()
-    assert stepper.factors == []
+    assert len(stepper.factors) == 0
