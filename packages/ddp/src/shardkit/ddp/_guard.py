@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
+from shardkit.ddp._placeholders import METADATA_READS
 from shardkit.ddp._torch_compat import push_function_mode, remove_function_mode
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -59,32 +60,17 @@ __all__: list[str] = []
 # Torch functions that read no values of their tensor arguments and return no new storage:
 # they never wait. A property getter (``__get__``) returns metadata or an alias (``.data``,
 # ``.T``, ``.real``), which is guarded in turn when an op uses it.
-_NO_VALUES = frozenset(
-    (
-        "__get__",
-        "__set__",
-        "__hash__",
-        "__len__",
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "stride",
-        "storage_offset",
-        "element_size",
-        "is_contiguous",
-        "is_floating_point",
-        "is_complex",
-        "is_signed",
-        "is_inference",
-        "get_device",
-        "requires_grad_",
-        "retain_grad",
-        "register_hook",
-        "register_post_accumulate_grad_hook",
-    )
-)
+_NO_VALUES = METADATA_READS | {
+    "__get__",
+    "__set__",
+    "is_signed",
+    "is_inference",
+    "get_device",
+    "requires_grad_",
+    "retain_grad",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+}
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["drop_grads", "is_placeholder"]
+__all__ = ["METADATA_READS", "drop_grads", "is_placeholder"]
 
 
 class _ReducedGrad(torch.Tensor):
@@ -72,7 +72,7 @@ class _ReducedGrad(torch.Tensor):
         return repr(self)
 
 
-_METADATA = frozenset(
+METADATA_READS = frozenset(
     (
         "size",
         "dim",
@@ -85,12 +85,13 @@ _METADATA = frozenset(
         "is_contiguous",
         "is_floating_point",
         "is_complex",
-        "untyped_storage",
-        "data_ptr",
         "__hash__",
         "__len__",
     )
 )
+"""Tensor methods that read a tensor's metadata, never its values (shared with the param-access
+guard, ``shardkit.ddp._guard``)."""
+_METADATA = METADATA_READS | {"untyped_storage", "data_ptr"}
 _NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
 
 
