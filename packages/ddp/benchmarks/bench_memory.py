@@ -73,6 +73,7 @@ _STEPS = int(os.environ.get("SHARDKIT_BENCH_MEM_STEPS", "5"))
 _REPEATS = int(os.environ.get("SHARDKIT_BENCH_MEM_REPEATS", "2"))
 _BATCH = 32
 _MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+_EXPANDABLE_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 _ALL = (
     "ddp",
     "ddp_default",
@@ -88,6 +89,8 @@ _ALL = (
     "shardkit_zero2_reduce_bf16",
     "ddp_mmap_threshold",
     "shardkit_zero2_mmap_threshold",
+    "torch_zero_expandable_segments",
+    "shardkit_zero2_expandable_segments",
 )
 _ONLY = [s for s in os.environ.get("SHARDKIT_BENCH_MEM_ONLY", "").split(",") if s]
 _SYSTEMS = tuple(s for s in _ALL if not _ONLY or s in _ONLY)
@@ -139,7 +142,7 @@ def _build(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, Any]:
     from shardkit.ddp import ShardedDataParallel
     from shardkit.optim import ShardedOptimizer
 
-    name = name.removesuffix("_mmap_threshold")
+    name = name.removesuffix("_mmap_threshold").removesuffix("_expandable_segments")
     bf16 = name == "shardkit_zero2_bf16"
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(_WIDTH, _WIDTH) for _ in range(_LAYERS)])
@@ -205,6 +208,7 @@ def _measure(name: str, rank: int, device: torch.device) -> dict[str, float]:
     out: dict[str, float] = {"build": (getattr(built, key) - ref) / n}
     if cuda is not None:
         out["cuda_peak_allocated"] = 0.0
+        out.update({f"cuda_peak_allocated_{p}": 0.0 for p in _PHASES})
     for _ in range(_STEPS):
         for phase in _PHASES:
             reset_peak_memory(cuda)
@@ -222,6 +226,8 @@ def _measure(name: str, rank: int, device: torch.device) -> dict[str, float]:
             if cuda is not None and s.cuda_peak_allocated is not None:
                 grown = (s.cuda_peak_allocated - (base.cuda_allocated or 0)) / n
                 out["cuda_peak_allocated"] = max(out["cuda_peak_allocated"], grown)
+                key_p = f"cuda_peak_allocated_{phase}"
+                out[key_p] = max(out[key_p], grown)
         del loss
     after = memory_sample(cuda)
     heap, free = _heap()
@@ -234,6 +240,12 @@ def _measure(name: str, rank: int, device: torch.device) -> dict[str, float]:
     out["heap_in_use"] = (heap - heap_base) / n
     out["heap_free"] = (free - free_base) / n
     out["rss_file"] = (after.rss_file - base.rss_file) / n
+    if cuda is not None:
+        # cached blocks that are split and partly free: the caching allocator's fragmentation
+        stats = torch.cuda.memory_stats(cuda)
+        out["cuda_inactive_split"] = stats.get("inactive_split_bytes.all.current", 0) / n
+        grown_steady = (after.cuda_allocated or 0) - (base.cuda_allocated or 0)
+        out["cuda_allocated_steady"] = grown_steady / n
     out["params"] = float(n)
     return out
 
@@ -263,6 +275,8 @@ def _worker(rank: int, world: int, port: int, name: str, device: str, out: str) 
 def _run(name: str, world: int, device: str) -> list[dict[str, float]]:
     """Every rank's figures for one fresh run of ``name``."""
     env = _MMAP_ENV if name.endswith("_mmap_threshold") else {}
+    if name.endswith("_expandable_segments"):
+        env = _EXPANDABLE_ENV
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # read by glibc when the spawned ranks start
     try:
@@ -295,6 +309,8 @@ def _bench(benchmark: Any, world: int, device: str) -> dict[str, dict[str, float
 
     def run_all() -> None:
         for name in _SYSTEMS:
+            if name.endswith("_expandable_segments") and device != "cuda":
+                continue  # a CUDA caching-allocator setting
             results[name] = _summary([_run(name, world, device) for _ in range(_REPEATS)])
             print(name, json.dumps({k: round(v, 2) for k, v in results[name].items()}), flush=True)
 
@@ -325,7 +341,8 @@ def test_bench_memory(benchmark: Any, world: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bench_memory_cuda(benchmark: Any) -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_memory_cuda(benchmark: Any, world: int) -> None:
     """CUDA: ``max_memory_allocated`` / ``max_memory_reserved`` per phase (NCCL with a GPU per
-    rank, else Gloo ranks sharing the GPUs), world 2."""
-    _bench(benchmark, 2, "cuda")
+    rank, else Gloo ranks sharing the GPUs), world 2 and 4."""
+    _bench(benchmark, world, "cuda")
