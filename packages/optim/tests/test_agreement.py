@@ -182,6 +182,30 @@ def test_ranks_in_different_calls_raise_the_same_error_before_anything_moves() -
 
 
 @world(2, timeout=90)
+def test_a_rank_that_skips_the_clip_makes_every_rank_raise_before_anything_moves() -> None:
+    """ZeRO-1: rank 1 skips ``clip_grad_norm`` and steps; both ranks raise the same error naming
+    both calls at once (not after the process group's timeout in the norm's all-gather), the
+    gradients unscaled and no param moved; the next agreed calls work."""
+    model = nn.Linear(4, 3)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)different collective calls.*(clip_grad_norm.*step|step.*clip_grad_norm)"):
+        if dist.get_rank() == 0:
+            opt.clip_grad_norm(0.5)
+        else:
+            opt.step()
+    assert time.monotonic() - start < 20
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    norm = opt.clip_grad_norm(0.5)  # every rank: agreed
+    assert norm.item() > 0.5
+    opt.step()
+
+
+@world(2, timeout=90)
 def test_save_sharded_on_one_rank_alone_raises_within_the_timeout(tmp_path: Path) -> None:
     from shardkit.optim import save_sharded
 

@@ -1,8 +1,9 @@
 """Agreement between the ranks of a ShardedOptimizer beyond the construction check.
 
 [Note: Call agreement]
-Every collective entry point of a ShardedOptimizer (``step()``, ``consolidate_state_dict()``,
-``state_dict(all_ranks=True)``, the implicit consolidation of ``state_dict()``) and of the
+Every collective entry point of a ShardedOptimizer (``step()``, ``clip_grad_norm()``,
+``consolidate_state_dict()``, ``state_dict(all_ranks=True)``, the implicit consolidation of
+``state_dict()``) and of the
 drivers (ShardedDataParallel's backward, ``optimizer_state_dict()``, ...) starts with the same
 small agreement: a reduction (MAX) over the ranks of the optimizer's group of six int64s
 ``[call, -call, digest, -digest, requires_grad changed, sparse gradient]``, where ``call``
@@ -283,6 +284,7 @@ IMPLICIT_CONSOLIDATE_CALL = register_call(
 SAVE_SHARDED_CALL = register_call("shardkit.optim.save_sharded()")
 LOAD_SHARDED_CALL = register_call("shardkit.optim.load_sharded()")
 MASTER_STATE_DICT_CALL = register_call("ShardedOptimizer.master_model_state_dict()")
+CLIP_CALL = register_call("ShardedOptimizer.clip_grad_norm()")
 REPARTITION_CALL = register_call(
     "ShardedOptimizer repartition (add_param_group / refresh_trainable / set_partition)"
 )

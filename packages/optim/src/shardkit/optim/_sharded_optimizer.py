@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import (
+    CLIP_CALL,
     REPARTITION_CALL,
     agree_call,
     agree_step,
@@ -705,6 +706,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             ValueError: on every rank, when ranks pass different ``(max_norm, norm_type)``
                 (naming each rank's values), or invalid ones (negative or NaN ``max_norm``,
                 ``norm_type <= 0``).
+            RuntimeError: some rank is in another collective call or did not come within
+                ``collective_timeout`` (see [Note: Call agreement]).
         """
         owner = self._owner()
         if owner is not None:
@@ -719,6 +722,9 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             params = list(filter_params_fn(params))
         owned = {id(p) for p in self.owned_params}
         with profiler_range("shardkit.optim.clip_grad_norm"):
+            # A rank that skips the clip (or is elsewhere) makes every rank raise within
+            # collective_timeout, before the norm's all-gather: [Note: Call agreement].
+            agree_call(CLIP_CALL, self.group, self._timeout)
             return _clip_grad_norm(
                 [p for p in params if id(p) in owned],
                 params,
