@@ -65,9 +65,9 @@ def _parity(bf16: bool) -> None:
     assert len(sdp._buckets) >= 2  # several reduce-scatters per backward
     for step in range(_STEPS):
         first, last = _batches(device, dtype, step)
+        ref_model.zero_grad()  # with masters, the reference optimizer's grads are the masters'
         for m, o in ((ref, ref_opt), (sdp, opt)):
             o.zero_grad()
-            m.zero_grad()  # the reference's bf16 grads are not its optimizer's (the masters')
             with m.no_sync():
                 m(first).float().square().mean().backward()
             m(last).float().square().mean().backward()

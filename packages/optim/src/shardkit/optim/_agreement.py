@@ -3,13 +3,12 @@
 [Note: Call agreement]
 Every collective entry point of a ShardedOptimizer (``step()``, ``clip_grad_norm()``,
 ``consolidate_state_dict()``, ``state_dict(all_ranks=True)``, the implicit consolidation of
-``state_dict()``) and of the
-drivers (ShardedDataParallel's backward, ``optimizer_state_dict()``, ...) starts with the same
-small agreement: a reduction (MAX) over the ranks of the optimizer's group of six int64s
-``[call, -call, digest, -digest, requires_grad changed, sparse gradient]``, where ``call``
-names the entry point. It runs on the c10d
-store the process group was built from, never on a process group (see [Note: Agreement over
-the store] in ``_exchange.py``), bounded by ``collective_timeout`` (default 30 s), so that:
+``state_dict()``) and of the drivers (ShardedDataParallel's backward, ``optimizer_state_dict()``,
+...) starts with the same small agreement: a reduction (MAX) over the ranks of the optimizer's
+group of six int64s ``[call, -call, digest, -digest, requires_grad changed, sparse gradient]``,
+where ``call`` names the entry point. It runs on the c10d store the process group was built
+from, never on a process group (see [Note: Agreement over the store] in ``_exchange.py``),
+bounded by ``collective_timeout`` (default 30 s), so that:
 
 - a rank that enters a collective alone (the classic "state_dict() on rank 0 only") raises
   after the timeout, naming the call the other ranks must make and the ranks that did not

@@ -196,13 +196,13 @@ def agree_grad_norm(
 def _clip_grad_norm(
     owned: list[torch.Tensor],
     params: list[torch.Tensor],
-    max_norm: object,
-    norm_type: object,
+    max_f: float,
+    norm_f: float,
     group: dist.ProcessGroup,
     masters: _Masters | None = None,
 ) -> torch.Tensor:
-    """ZeRO-1's clip: see [Note: Sharded grad norm]; with ``masters``, [Note: Master weights]."""
-    max_f, norm_f = check_clip_args(max_norm, norm_type)
+    """ZeRO-1's clip, with arguments from :func:`check_clip_args`: see [Note: Sharded grad
+    norm]; with ``masters``, [Note: Master weights]."""
     grads = [p.grad for p in owned if p.grad is not None]
     # The norm lives where the grads do (as with torch.nn.utils.clip_grad_norm_); only a
     # backend that cannot reduce there (NCCL with host grads) gets a copy on its own device.

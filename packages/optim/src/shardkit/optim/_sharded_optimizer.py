@@ -37,7 +37,7 @@ from shardkit.optim._agreement import (
     check_param_order,
     hyperparam_digest,
 )
-from shardkit.optim._clip import _clip_grad_norm
+from shardkit.optim._clip import _clip_grad_norm, check_clip_args
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
@@ -721,6 +721,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         owned = {id(p) for p in self.owned_params}
+        max_f, norm_f = check_clip_args(max_norm, norm_type)  # before the agreement, as ZeRO-2
         with profiler_range("shardkit.optim.clip_grad_norm"):
             # A rank that skips the clip (or is elsewhere) makes every rank raise within
             # collective_timeout, before the norm's all-gather: [Note: Call agreement].
@@ -728,8 +729,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             return _clip_grad_norm(
                 [p for p in params if id(p) in owned],
                 params,
-                max_norm,
-                norm_type,
+                max_f,
+                norm_f,
                 self.group,
                 self._masters,
             )
