@@ -140,3 +140,28 @@ def test_a_per_rank_learning_rate_is_refused_before_anything_moves() -> None:
     with pytest.raises(ValueError, match="different hyper-parameters"):
         opt.step()
     assert _unchanged(before, m)
+
+
+@world(2)
+def test_zero1_only_calls_raise_clearly_under_the_wrapper_and_leave_it_usable() -> None:
+    """What only whole-param ZeRO-1 does (per-param skip, filter, local steps, syncs, master
+    export, repartitions) raises the same error on every rank under ShardedDataParallel."""
+    m, opt, ddp = _wrapped()
+    _loss(ddp, 0).backward()
+    with pytest.raises(ValueError, match="clip_grad_norm.filter_params_fn.* not supported"):
+        opt.clip_grad_norm(1.0, filter_params_fn=lambda ps: ps)
+    with pytest.raises(ValueError, match=r"skip=.* not supported under ShardedDataParallel"):
+        opt.consolidate_state_dict(skip=lambda p: p.dim() == 1)
+    for what, call in (
+        ("step_local", opt.step_local),
+        ("sync_params", opt.sync_params),
+        ("refresh_trainable", opt.refresh_trainable),
+        ("master_model_state_dict", lambda: opt.master_model_state_dict(m)),
+    ):
+        with pytest.raises(RuntimeError, match=f"{what}: shardkit.ddp.ShardedDataParallel fixed this"):
+            call()
+    before = _snapshot(m)
+    opt.step()  # still usable: the refused calls moved nothing
+    assert not _unchanged(before, m)
+    opt.consolidate_state_dict(recipient_rank=0)
+    assert opt.state_dict()["param_groups"][0]["lr"] == 1e-2

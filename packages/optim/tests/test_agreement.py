@@ -122,7 +122,7 @@ def test_collective_timeout_when_a_rank_skips_step() -> None:
 
 
 def test_bad_collective_timeout() -> None:
-    from shardkit.optim._sharded_optimizer import _check_timeout
+    from shardkit.optim._args import check_timeout as _check_timeout
 
     for bad in (0, -1.0, "3", True):
         with pytest.raises(ValueError, match="collective_timeout must be a positive number"):

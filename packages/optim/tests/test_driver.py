@@ -29,13 +29,18 @@ class _RecordingOwner(ShardOwner):
     def zero_grad(self, set_to_none: bool) -> None:
         self.calls.append(("zero_grad", set_to_none))
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm(
+        self, max_norm: float, norm_type: float, filter_params_fn: Any = None
+    ) -> torch.Tensor:
         self.calls.append(("clip", (max_norm, norm_type)))
         return torch.tensor(1.5)
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self, recipient_rank: int = -1, skip: Any = frozenset()) -> dict[str, Any]:
         self.calls.append(("full", None))
-        return {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.5, "params": [0, 1]}]}
+        return {
+            "state": {0: {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.5, "params": [0, 1]}],
+        }
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.calls.append(("load", state_dict["param_groups"][0]["lr"]))
@@ -105,7 +110,15 @@ def test_a_shard_owner_gets_every_call_and_the_optimizer_frees_its_buffers() -> 
     opt._drop_grad_factors()
     names = [c[0] for c in owner.calls]
     assert names == [
-        "step", "zero_grad", "clip", "full", "full", "load", "checkpoint", "unscale", "drop"
+        "step",
+        "zero_grad",
+        "clip",
+        "full",
+        "full",
+        "load",
+        "checkpoint",
+        "unscale",
+        "drop",
     ], names
     # Re-partitioning is refused while an owner holds the state, on every rank alike.
     for call in (opt.refresh_trainable, lambda: opt.set_partition([0, 0, 0, 0])):

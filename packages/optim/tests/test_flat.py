@@ -172,7 +172,7 @@ def test_ranks_stepping_their_shards_equal_a_plain_optimizer(
             idle = {
                 (b.index, pos) for b in buckets for pos, p in enumerate(b.params) if id(p) not in live
             }
-            stepper.step(groups, idle)
+            stepper.step(idle)
     for k, want in enumerate(ref):
         # rank r's copy holds the truth for the elements it owns
         got = torch.empty(want.numel())
@@ -208,7 +208,7 @@ def test_master_copies_step_in_fp32_and_cast_back() -> None:
     ref2.grad = g.to(torch.bfloat16).float()
     opt2 = torch.optim.AdamW([ref2], lr=0.01)
     opt2.step()
-    stepper.step(groups)
+    stepper.step()
     assert torch.equal(entry.master.view(6, 5), ref2.detach())
     assert torch.equal(p.detach(), ref2.detach().to(torch.bfloat16))
     assert stepper.state_bytes() == 6 * 5 * 4 * 3 + 4  # master, exp_avg, exp_avg_sq, step
@@ -230,7 +230,7 @@ def test_full_state_dict_is_a_plain_optimizers_and_loads_back() -> None:
     ref_opt.step()
     for b in buckets:
         _hand_grads(b, {id(p): g for p, g in zip(mine, grads, strict=True)}, rank)
-    stepper.step(groups)
+    stepper.step()
     calls: list[int] = []
 
     def counted(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:
@@ -280,11 +280,11 @@ def test_a_driver_sets_a_bucket_and_a_stepper_through_their_methods() -> None:
     b.attach_grad_shard(torch.ones(b.shard))
     stepper = ShardStepper([b], torch.optim.SGD, [{"params": params, "lr": 1.0}], {"lr": 1.0}, 0, None)
     before = b.flat.clone()
-    stepper.step([{"params": params, "lr": 1.0}])  # fresh: not stepped
+    stepper.step()  # fresh: not stepped
     assert torch.equal(b.flat, before)
     b.mark_reduced()
     assert not b.grad_fresh
-    stepper.step([{"params": params, "lr": 1.0}])
+    stepper.step()
     assert torch.equal(b.flat[: b.shard], before[: b.shard] - 1.0)
     b.mark_consumed()
     assert b.grad_fresh

@@ -47,13 +47,11 @@ def test_step_phases_show_in_a_profiler_trace() -> None:
 @world(2)
 def test_repartition_and_implicit_consolidation_are_logged_once() -> None:
     import shardkit.optim._sharded_optimizer as so
-    import shardkit.optim._state_dict as sd
-
     model = _model()
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.Adam, lr=0.01)
     with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(so, "_logged_repartition", False)
-        mp.setattr(sd, "_logged_implicit", False)
+        mp.setattr(so, "_logged_implicit", False)
         train(model, opt, 1)
         opt.state_dict()
         opt.state_dict()  # current: no second consolidation, nothing logged

@@ -36,6 +36,10 @@ def pre_hook(module, args):
 
 def grad_hook(p):
     p.kept = p.grad.clone()
+
+class Forwarding(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 """,
     _pkg.__dict__,
 )
@@ -101,6 +105,18 @@ def test_model_forward_and_autograd_kernels_are_not_the_package() -> None:
     with LargeAllocations(packages=("fakepkg.",)) as allocs:
         _pkg.call_model(model, x).sum().backward()
     assert [r.where.split(" ")[-1] for r in allocs.records] == ["(pre_hook)", "(grad_hook)"]
+
+
+def test_a_torch_function_mode_of_the_package_is_not_the_caller() -> None:
+    """A package's torch-function mode left on the stack (shardkit-ddp's param-access guard
+    after a wrapper's last step) passes calls on: what they allocate is their callers'."""
+    model = nn.Linear(512, 512)
+    x = torch.randn(1024, 512)
+    with _pkg.Forwarding(), LargeAllocations(packages=("fakepkg.",)) as allocs:
+        model(x).sum().backward()  # autograd's and the model's, through the mode
+        torch.empty(_BIG)  # this test module's
+        _pkg.allocate(_BIG)  # the package's own code: still recorded
+    assert [r.where.split(" ")[-1] for r in allocs.records] == ["(allocate)"], allocs.records
 
 
 def test_arguments_are_checked() -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,7 +337,7 @@ class BucketGroup(ShardOwner):
             unused = self._global_unused()
             with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.ddp._reducer
                 scratch = self.reducer.idle_buffers()
-                self.stepper.step(self.opt.param_groups, unused, scratch=scratch)
+                self.stepper.step(unused, scratch=scratch)
             self._consume()
             self.state = GroupState.STEPPED
             self.reducer.trim_pool()
@@ -419,7 +419,17 @@ class BucketGroup(ShardOwner):
         self.discard_gradients()
         drop_grads(self.params(), set_to_none)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float,
+        filter_params_fn: Callable[[Any], Any] | None = None,
+    ) -> torch.Tensor:
+        if filter_params_fn is not None:
+            raise ValueError(
+                "clip_grad_norm(filter_params_fn=...) is not supported under "
+                "ShardedDataParallel: gradients are sharded by element ranges, not params"
+            )
         return clip_groups([self], max_norm, norm_type)
 
     def clip_flags(self) -> tuple[bool, bool]:
@@ -443,11 +453,23 @@ class BucketGroup(ShardOwner):
         self.stepper.drop_factors()
 
     # ------------------------------------------------------------------ ShardOwner: state
-    def full_state_dict(self) -> dict[str, Any]:
-        """The optimizer's full state dict in plain torch format, on every rank. Collective.
+    def full_state_dict(
+        self, recipient_rank: int = -1, skip: Set[int] = frozenset()
+    ) -> dict[str, Any]:
+        """The optimizer's full state dict in plain torch format, on every rank (whatever
+        ``recipient_rank``). Collective.
 
         See [Note: Optimizer state format] in ``shardkit.optim._shard_state``.
+
+        Raises:
+            ValueError: ``skip`` names params (on every rank: they pass the same): ZeRO-2's
+                state is sharded by element ranges, every rank holds part of every param's.
         """
+        if skip:
+            raise ValueError(
+                "consolidate_state_dict(skip=...) is not supported under ShardedDataParallel: "
+                "every rank holds part of every param's state. Use save_sharded() instead."
+            )
         agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements]
         self.reducer.finish_all()
         self.wait_params()

@@ -83,7 +83,7 @@ class ZeroRedundancyOptimizer(ShardedOptimizer, Joinable):
         """Gathers the full state on rank ``to`` of the group. Collective (torch's name)."""
         self._last_consolidated = None
         ShardedOptimizer.consolidate_state_dict(self, recipient_rank=to, skip=skip)
-        if self._consolidated is not None:
+        if self._consolidations.copy is not None:
             self._last_consolidated = ShardedOptimizer.state_dict(self)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
@@ -100,7 +100,7 @@ class ZeroRedundancyOptimizer(ShardedOptimizer, Joinable):
         """
         if all_ranks:
             self.consolidate_state_dict(to=-1)
-        elif self._needs_implicit_consolidation():
+        elif self._consolidations.needs_implicit(self._state_version):
             self._consolidate_implicitly()
             self._last_consolidated = ShardedOptimizer.state_dict(self)
         if self._last_consolidated is None:

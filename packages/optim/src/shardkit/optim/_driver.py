@@ -21,6 +21,16 @@ attached :class:`StepDriver` at a time (``ShardedOptimizer.attach_driver``):
   driver. Methods that would re-partition (``add_param_group``, ``refresh_trainable``,
   ``set_partition``) raise while a ``ShardOwner`` is attached.
 
+The optimizer itself is a front: whatever holds the state is a ``ShardOwner`` and every call
+above goes to it without a branch. Its own one, ``LocalShards`` (``shardkit.optim._zero1``:
+the wrapped optimizer on the whole params this rank owns, their masters and the flat sync
+buffers), is built with each partition and replaced by an attached ``ShardOwner`` for good;
+the front keeps what is the same for every backend: the partition, the agreements, the
+hyper-parameters ([Note: One owner of hyper-parameters] in ``shardkit.optim._state``) and the
+history of consolidations. What only whole-param ZeRO-1 can do (``step_local``,
+``sync_params``, repartitions, per-param master export) raises while another owner holds the
+state.
+
 Every method of a driver that communicates is called on every rank of the optimizer's group
 (the optimizer's own methods are collective in the same places), and a driver's ``step`` must
 run ``optimizer.check_step(...)`` before it changes any shard, so that a step refused on one
@@ -31,7 +41,7 @@ every rank.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,13 +107,34 @@ class ShardOwner(StepDriver):
         """Drops the gradients of the optimizer's params (local; ``optimizer.zero_grad``)."""
 
     @abstractmethod
-    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clips the gradients by their global norm; returns the norm (fp32). Collective."""
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float,
+        filter_params_fn: Callable[[Any], Any] | None = None,
+    ) -> torch.Tensor:
+        """Clips the gradients by their global norm; returns the norm (fp32). Collective.
+
+        ``filter_params_fn`` is ``ShardedOptimizer.clip_grad_norm``'s (an owner that cannot
+        honour it raises ``ValueError``)."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(
+        self, recipient_rank: int = -1, skip: Set[int] = frozenset()
+    ) -> dict[str, Any] | None:
         """The full optimizer state dict in plain torch format (``{"state", "param_groups"}``,
-        plus ``"master_params"`` with masters), on every rank. Collective."""
+        plus ``"master_params"`` with masters). Collective.
+
+        Args:
+            recipient_rank: The rank (of the optimizer's group) that needs it, -1 for every
+                rank; an owner may return it on more ranks.
+            skip: Global indices whose state stays on its owner (``meta`` tensors in the dict;
+                an owner that cannot honour it raises ``ValueError``). Every rank passes the
+                same.
+
+        Returns:
+            The dict, or ``None`` on a rank that does not receive it.
+        """
 
     @abstractmethod
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -121,9 +152,12 @@ class ShardOwner(StepDriver):
         (then handed to :meth:`load_full_state_dict`)."""
 
     @abstractmethod
-    def unscale_for_scaler(self, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    def unscale_for_scaler(
+        self, inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor] | None:
         """``ShardedGradScaler``'s unscale: multiply the reduced gradients by ``inv_scale``
-        (or queue it for fp32 masters) and return one found-inf flag per device (local)."""
+        (or queue it for fp32 masters) and return one found-inf flag per device (local);
+        ``None`` leaves it to torch's own unscale of the params' ``.grad``."""
 
     @abstractmethod
     def drop_grad_factors(self) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from shardkit.optim._agreement import agree_values, hyperparam_digest
 from shardkit.optim._driver import ShardLayout
 from shardkit.partition import ALGORITHMS, partition
 
@@ -114,3 +117,61 @@ def _build_layout(
         for local, rank in enumerate(plan.assignment):
             owner[train_idx[local]] = int(rank)
     return ShardLayout(tuple(params), tuple(group_index), tuple(owner), tuple(trainable))
+
+
+def step_flags(
+    layout: ShardLayout, rank: int, error: str | None, repartition: bool
+) -> tuple[bool, str | None]:
+    """This rank's inputs to the per-step agreement: (``repartition`` and ``requires_grad``
+    changed since ``layout`` was built, this rank's reason to refuse the step: ``error``, else
+    a sparse gradient). A driver (``repartition=False``) checks ``requires_grad`` itself."""
+    changed = False
+    for i, p in enumerate(layout.params):
+        if (
+            error is None
+            and p.grad is not None
+            and (p.grad.is_sparse or p.grad.layout != torch.strided)
+        ):
+            error = (
+                f"param {i} (shape {tuple(p.shape)}) has a sparse gradient ({p.grad.layout}) on "
+                f"rank {rank}; ShardedOptimizer supports dense gradients only. Use "
+                f"nn.Embedding(sparse=False) or keep these params in an unsharded optimizer."
+            )
+        changed |= repartition and p.requires_grad != layout.trainable[i]
+    return changed, error
+
+
+def agree_partition_inputs(
+    params: Sequence[torch.Tensor],
+    param_groups: Sequence[dict[str, Any]],
+    group: dist.ProcessGroup,
+    settings: tuple[str, bool, str, str],
+) -> None:
+    """Agrees on what a partition is built from, before it is built (collective): sparse
+    params, ``settings`` (partition algorithm, broadcast_fp16, master dtype, optim class), the
+    hyper-parameter digest, the group sizes and the ``requires_grad`` mask.
+
+    Raises:
+        ValueError: on every rank, when ranks differ, or when some param is not dense.
+    """
+    mask = bytes(int(p.requires_grad) for p in params)
+    not_dense = [(i, p.layout) for i, p in enumerate(params) if p.layout != torch.strided]
+    agree_values(
+        (
+            bool(not_dense),
+            *settings,
+            hyperparam_digest(param_groups),
+            [len(g["params"]) for g in param_groups],
+            hashlib.sha1(mask).hexdigest(),
+        ),
+        group,
+        "(sparse params, partition_algorithm, broadcast_fp16, master_dtype, optim class, "
+        "hyper-parameter digest, param group sizes, requires_grad mask hash)",
+    )
+    if not_dense:  # every rank agreed on this above, so every rank raises
+        i, layout = not_dense[0]
+        raise ValueError(
+            f"ShardedOptimizer shards dense params only (they become views of flat buffers); "
+            f"param {i} has layout {layout} ({len(not_dense)} such param(s)). Keep sparse params "
+            f"in a separate, unsharded optimizer."
+        )

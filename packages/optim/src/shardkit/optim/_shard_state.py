@@ -309,10 +309,8 @@ def load_full_state_dict(
         new.append((e, {k: _piece(e, gi, k, v) for k, v in saved.items()}, master))
     for g, sg in zip(param_groups, saved_groups, strict=True):
         g.update(copy.deepcopy(hyperparams(sg)))
-    local = stepper.local
-    if local is not None:
-        for wg, lg in zip(param_groups, local.param_groups, strict=True):
-            lg.update(hyperparams(wg))
+    local = stepper.local  # its groups are views of param_groups: see [Note: One owner of
+    # hyper-parameters] in shardkit.optim._state
     for e, st, master in new:
         if local is not None:
             local.state[e.opt] = st

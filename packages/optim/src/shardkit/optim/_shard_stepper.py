@@ -50,6 +50,7 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._master import unscale_grads
 from shardkit.optim._state import _hyperparams as hyperparams
+from shardkit.optim._state import share_hyperparams
 from torch.optim import Optimizer
 
 __all__ = ["ShardEntry", "ShardStepper"]
@@ -104,7 +105,8 @@ class ShardStepper:
     Args:
         buckets: The flat buckets of one sharded optimizer (every rank builds the same).
         optim_cls: The optimizer class (``ShardedOptimizer.optim``'s type).
-        param_groups: The sharded optimizer's param groups (hyper-parameters per group).
+        param_groups: The sharded optimizer's param groups: the local optimizer's groups are
+            views of them ([Note: One owner of hyper-parameters]).
         defaults: Keyword arguments of the optimizer class (``ShardedOptimizer.defaults``).
         rank: This rank, in the buckets' group.
         master_dtype: Dtype of the master copies of lower-precision params, or ``None``.
@@ -148,6 +150,7 @@ class ShardStepper:
         """The local optimizer (``None`` when this rank owns nothing)."""
         if any(g["params"] for g in groups):
             self.local = optim_cls(groups, **defaults)
+            share_hyperparams(param_groups, self.local)  # [Note: One owner of hyper-parameters]
 
     def _make_masters(self) -> None:
         """Gives every entry of another dtype than ``master_dtype`` its master, created from the
@@ -204,15 +207,12 @@ class ShardStepper:
     # ------------------------------------------------------------------ step
     def step(
         self,
-        param_groups: Sequence[dict[str, Any]],
         unused: Set[tuple[int, int]] = frozenset(),
         scratch: Sequence[torch.Tensor] = (),
     ) -> None:
         """One local step on the reduced gradients; see the module docstring.
 
         Args:
-            param_groups: The sharded optimizer's param groups (their hyper-parameters are
-                used, and the local optimizer's written back).
             unused: ``(bucket index, position)`` of the params no rank used since the last
                 step; they are skipped (see [Note: Per-param fragments]).
             scratch: Contiguous tensors nothing else uses during the call (any dtype; their
@@ -224,8 +224,6 @@ class ShardStepper:
         if local is None:
             self.factors.clear()
             return
-        for wg, lg in zip(param_groups, local.param_groups, strict=True):
-            lg.update(hyperparams(wg))
         try:
             plain: list[ShardEntry] = []
             chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
@@ -247,8 +245,6 @@ class ShardStepper:
                 self._step_masters(local, chunk, scratch)
         finally:
             self.factors.clear()
-        for wg, lg in zip(param_groups, local.param_groups, strict=True):
-            wg.update(hyperparams(lg))
 
     def _step_masters(
         self, local: Optimizer, chunk: list[ShardEntry], scratch: Sequence[torch.Tensor]

@@ -19,58 +19,56 @@ Without a driver, ``step()`` is ``check_step()``, then ``step_local()``, then ``
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import (
-    CLIP_CALL,
+    CONSOLIDATE_CALL,
+    IMPLICIT_CONSOLIDATE_CALL,
     REPARTITION_CALL,
     agree_call,
+    agree_outcome,
     agree_step,
     agree_values,
     check_param_order,
     hyperparam_digest,
 )
-from shardkit.optim._clip import _clip_grad_norm, check_clip_args
+from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._exchange import channel
-from shardkit.optim._layout import _build_layout, _check_algorithm, _check_imposed
-from shardkit.optim._master import (
-    _WIRE_KEY,
-    _Masters,
-    check_master_dtype,
-    join_wire,
-    needs_master,
-    unscale_grads,
+from shardkit.optim._layout import (
+    _build_layout,
+    _check_algorithm,
+    _check_imposed,
+    agree_partition_inputs,
+    step_flags,
 )
+from shardkit.optim._master import check_master_dtype
 from shardkit.optim._profiling import profiler_range
-from shardkit.optim._state import (
-    _hyperparams,
-    _install_state,
-    _local_groups,
-    _owned_state,
-    _StateFlag,
-)
-from shardkit.optim._state_dict import _StateDictMixin
-from shardkit.optim._sync import _ParamSync
+from shardkit.optim._state import _hyperparams, _install_state, _local_groups, _StateFlag
+from shardkit.optim._state_dict import Consolidations, check_consolidate_args
+from shardkit.optim._zero1 import LocalShards
 from shardkit.partition import check_consistent
+from torch import nn
 from torch.optim import Optimizer
 
 __all__ = ["ShardedOptimizer"]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_repartition = False
+_logged_implicit = False
 
 
-class ShardedOptimizer(_StateDictMixin, Optimizer):
+class ShardedOptimizer(Optimizer):
     """Shards the state of any ``torch.optim.Optimizer`` over the ranks of a process group (ZeRO-1).
 
     Each rank keeps the optimizer state of only the params it owns and runs the wrapped
@@ -124,37 +122,14 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         collective_timeout: float | timedelta | None = None,
         **defaults: Any,
     ) -> None:
-        if "optimizer_class" in defaults:
-            raise TypeError(
-                "ShardedOptimizer takes the optimizer class as optim= (fairscale's keyword); "
-                "optimizer_class= is torch ZeroRedundancyOptimizer's. Write "
-                "ShardedOptimizer(params, optim=torch.optim.Adam, lr=...), or use "
-                "shardkit.optim.ZeroRedundancyOptimizer, which has torch's signature."
-            )
-        if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
-            raise TypeError(
-                f"optim must be a torch.optim.Optimizer subclass (the class, e.g. "
-                f"torch.optim.Adam), got {type(optim).__name__}: {optim!r}. Pass the class and "
-                f"its arguments as keywords: ShardedOptimizer(params, torch.optim.Adam, lr=1e-3)."
-            )
+        optim = check_optim_class(optim, defaults)
         if issubclass(optim, ShardedOptimizer):
             raise TypeError("optim cannot itself be a ShardedOptimizer: pass the inner class")
         if not isinstance(broadcast_fp16, bool):
             raise TypeError(f"broadcast_fp16 must be a bool, got {broadcast_fp16!r}")
         self.master_dtype = check_master_dtype(master_dtype, broadcast_fp16)
-        if master_grad_bucket_bytes is not None and (
-            isinstance(master_grad_bucket_bytes, bool)
-            or not isinstance(master_grad_bucket_bytes, int)
-            or master_grad_bucket_bytes <= 0
-        ):
-            raise ValueError(
-                f"master_grad_bucket_bytes must be a positive int (bytes of fp32 gradients "
-                f"upcast at a time) or None (all at once), got "
-                f"{type(master_grad_bucket_bytes).__name__}: {master_grad_bucket_bytes!r}"
-            )
-        self._master_grad_bucket_bytes = master_grad_bucket_bytes
-        self._timeout = _check_timeout(collective_timeout)
-        self._masters: _Masters | None = None
+        self._master_grad_bucket_bytes = check_chunk_bytes(master_grad_bucket_bytes)
+        self._timeout = check_timeout(collective_timeout)
         self.group: dist.ProcessGroup = _resolve_group(group)
         self.rank: int = dist.get_rank(self.group)
         if self.rank < 0:
@@ -170,19 +145,15 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._optim_defaults = dict(defaults)
         self._initialized = False
         self._state_version = 0
-        self._consolidated: tuple[int, dict[str, Any]] | None = None
-        # (state version, recipient, implicit) of the last consolidation. See
-        # [Note: Implicit consolidation] in _state_dict.py.
-        self._last_consolidation: tuple[int, int, bool] | None = None
+        self._consolidations = Consolidations()  # See [Note: Implicit consolidation].
         self._state_flag = _StateFlag()  # see [Note: State truthiness]
         # See [Note: Imposed partition]: (param ids, requires_grad mask, owners, order).
         self._imposed: tuple[tuple[int, ...], bytes, tuple[int, ...], tuple[int, ...]] | None = None
-        self._local_slot: dict[int, int] = {}
         self._driver: StepDriver | None = None  # See [Note: Step drivers].
         super().__init__(params, defaults)
-        self.optim: Optimizer
         self._layout: ShardLayout
-        self._sync: _ParamSync
+        self._local: LocalShards  # this rank's ZeRO-1 shard
+        self._backend: ShardOwner  # who holds the state: _local, or the attached ShardOwner
         self._rebuild(migrate=False)
         check_param_order(self._layout.params, self.group)  # [Note: Param order fingerprint]
         channel(self.group)  # every rank, here: see [Note: Agreement over the store]
@@ -190,44 +161,31 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
 
     # ------------------------------------------------------------------ layout
     def _rebuild(self, migrate: bool) -> None:
-        """(Re)partitions the params and rebuilds the local optimizer and buckets. Collective."""
+        """(Re)partitions the params and builds this rank's ZeRO-1 backend. Collective."""
         if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
             agree_call(REPARTITION_CALL, self.group, self._timeout)
         params = [p for g in self.param_groups for p in g["params"]]
         mask = bytes(int(p.requires_grad) for p in params)
-        not_dense = [(i, p.layout) for i, p in enumerate(params) if p.layout != torch.strided]
-        agree_values(
+        agree_partition_inputs(
+            params,
+            self.param_groups,
+            self.group,
             (
-                bool(not_dense),
                 self._algorithm,
                 self.broadcast_fp16,
                 str(self.master_dtype),
-                hyperparam_digest(self.param_groups),
                 self._optim_cls.__name__,
-                [len(g["params"]) for g in self.param_groups],
-                hashlib.sha1(mask).hexdigest(),
             ),
-            self.group,
-            "(sparse params, partition_algorithm, broadcast_fp16, master_dtype, hyper-parameter "
-            "digest, optim class, param group sizes, requires_grad mask hash)",
         )
-        if not_dense:  # every rank agreed on this above, so every rank raises
-            i, layout = not_dense[0]
-            raise ValueError(
-                f"ShardedOptimizer shards dense params only (they become views of flat "
-                f"buffers); param {i} has layout {layout} ({len(not_dense)} such param(s)). Keep "
-                f"sparse params in a separate, unsharded optimizer."
-            )
         check_consistent(params, group=self.group)
-        moved: dict[int, dict[str, Any]] = {}
-        old_owned: dict[int, dict[str, Any]] = {}
-        if migrate:
-            old = self._layout
-            owned = self._owned_entries()
+        carried: dict[int, dict[str, Any]] = {}
+        if migrate:  # every param's state (and master) moves to its new owner
+            old = self._local
+            owned = old.owned_entries()
             full = _consolidate(owned, self.group, self.rank, -1, set())
-            moved = {id(old.params[i]): st for i, st in (full or {}).items()}
-            old_owned = {id(old.params[i]): dict(st) for i, st in owned.items()}
-            self._sync.release(keep=())
+            carried = {id(old.layout.params[i]): st for i, st in (full or {}).items()}
+            carried.update({id(old.layout.params[i]): dict(st) for i, st in owned.items()})
+            old.sync.release(keep=())
         imposed = None
         if self._imposed is not None:
             ids, imposed_mask, owners, order = self._imposed
@@ -236,65 +194,27 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             else:
                 self._imposed = None
         layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
-        local = _local_groups(layout, self.rank, len(self.param_groups))
-        self._local_slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
-        if self.master_dtype is not None:  # See [Note: Master weights].
-            masters = _Masters(self.master_dtype, self._master_grad_bucket_bytes)
-            for ps in local:
-                for p in ps:
-                    if needs_master(p, self.master_dtype):
-                        src = old_owned.get(id(p)) or moved.get(id(p)) or {}
-                        value = src.get(_WIRE_KEY)
-                        masters.add(p, value if isinstance(value, torch.Tensor) else None)
-            self._masters = masters
-        opt_local = [[self._opt_tensor(p) for p in ps] for ps in local]
-        groups = [
-            {**_hyperparams(g), "params": ps}
-            for g, ps in zip(self.param_groups, opt_local, strict=True)
-        ]
-        self.optim = self._optim_cls(groups, **self._optim_defaults)
+        self._local = LocalShards(
+            self.param_groups,
+            layout,
+            self._optim_cls,
+            self._optim_defaults,
+            self.group,
+            self.broadcast_fp16,
+            self.master_dtype,
+            self._master_grad_bucket_bytes,
+            self._timeout,
+            carried,
+        )
+        self._backend = self._local
         self._layout = layout
-        if migrate:
-            entries: dict[int, dict[str, Any]] = {}
-            j = 0
-            for ps in local:
-                for p in ps:
-                    st = {
-                        k: v
-                        for k, v in (old_owned.get(id(p)) or moved.get(id(p)) or {}).items()
-                        if k != _WIRE_KEY
-                    }
-                    if st:
-                        entries[j] = st
-                    j += 1
-            self.optim.load_state_dict(
-                {"state": entries, "param_groups": _index_groups(self.optim.param_groups)}
-            )
-        # The local optimizer filled in its defaults: make them visible on the wrapper.
-        self._pull_hyperparams()
-        self.state = _install_state(self.optim, self._state_flag)
-        self._sync = _ParamSync(layout, self.group, self.rank, self.broadcast_fp16)
+        self.state = _install_state(self._local.optim, self._state_flag)
         self._state_version += 1
-
-    def _opt_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        """The tensor the wrapped optimizer steps for ``p`` (its master, or ``p``)."""
-        return p if self._masters is None else self._masters.opt_tensor(p)
-
-    def _owned_entries(self) -> dict[int, dict[str, Any]]:
-        """This rank's live state by global index, masters riding along (for transport)."""
-        local = _owned_state(self.optim.state, self._layout, self.rank, self._opt_tensor)
-        if self._masters is None:
-            return local
-        masters: dict[int, torch.Tensor] = {}
-        for i in self._layout.owned(self.rank):
-            m = self._masters.get(self._layout.params[i])
-            if m is not None:
-                masters[i] = m
-        return join_wire(local, masters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group; after construction this repartitions (collective)."""
-        self._refuse_repartition("add_param_group")
+        if self._initialized:
+            self._zero1_only("add_param_group")
         super().add_param_group(param_group)
         if self._initialized:
             self._rebuild(migrate=True)
@@ -320,7 +240,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             TypeError, ValueError: malformed ``owners`` / ``sync_order`` (what was received is
                 in the message), or ranks passing different values (raised on every rank).
         """
-        self._refuse_repartition("set_partition")
+        self._zero1_only("set_partition")
         agree_call(REPARTITION_CALL, self.group, self._timeout)  # See [Note: Call agreement]
         params = [p for g in self.param_groups for p in g["params"]]
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
@@ -344,7 +264,7 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         The state of every param is all-gathered once to move it to its new owner: this is meant
         for occasional changes, not every step.
         """
-        self._refuse_repartition("refresh_trainable")
+        self._zero1_only("refresh_trainable")
         self._rebuild(migrate=True)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
@@ -360,6 +280,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             ]
             for r in range(self.world_size)
         ]
+
+    @property
+    def optim(self) -> Optimizer:
+        """The wrapped torch optimizer, on this rank's params (no state while a
+        :class:`ShardOwner` holds it: see [Note: Step drivers])."""
+        return self._local.optim
 
     @property
     def shard_layout(self) -> ShardLayout:
@@ -388,37 +314,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         return [self._layout.params[i] for i in self._layout.owned(self.rank)]
 
     # ------------------------------------------------------------------ step
-    def _push_hyperparams(self) -> None:
-        for wg, lg in zip(self.param_groups, self.optim.param_groups, strict=True):
-            for k, v in wg.items():
-                if k != "params":
-                    lg[k] = v
-
-    def _pull_hyperparams(self) -> None:
-        for wg, lg in zip(self.param_groups, self.optim.param_groups, strict=True):
-            for k, v in lg.items():
-                if k != "params":
-                    wg[k] = v
-
     def _check_before_step(self, error: str | None = None, repartition: bool = True) -> None:
         """The per-step agreement (collective): see [Note: Per-step agreement].
 
         ``error`` is this rank's own reason to refuse the step, raised on every rank.
         """
-        changed = False
-        for i, p in enumerate(self._layout.params):
-            if (
-                error is None
-                and p.grad is not None
-                and (p.grad.is_sparse or p.grad.layout != torch.strided)
-            ):
-                error = (
-                    f"param {i} (shape {tuple(p.shape)}) has a sparse gradient "
-                    f"({p.grad.layout}) on rank {self.rank}; ShardedOptimizer supports dense "
-                    f"gradients only. Use nn.Embedding(sparse=False) or keep these params in an "
-                    f"unsharded optimizer."
-                )
-            changed |= repartition and p.requires_grad != self._layout.trainable[i]
+        changed, error = step_flags(self._layout, self.rank, error, repartition)
         with profiler_range("shardkit.optim.agree"):
             changed = agree_step(self.param_groups, changed, error, self.group, self._timeout)
         if changed:
@@ -437,6 +338,10 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             )
             self.refresh_trainable()
 
+    def _stepped(self) -> None:
+        self._state_version += 1
+        self._state_flag.value = True
+
     def step_local(
         self,
         params: Iterable[torch.Tensor] | None = None,
@@ -450,73 +355,12 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         With ``params``, costs O(len(params)) besides the step itself: the local groups are
         narrowed to the owned ones among ``params`` for the call, then restored. With master
         weights the step runs chunk by chunk (see [Note: Master weights]).
+
+        Raises:
+            RuntimeError: a :class:`ShardOwner` holds the state (it steps it itself).
         """
-        self._push_hyperparams()
-        try:
-            with profiler_range("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
-                if self._masters is None:
-                    loss = self._step_narrowed(params, closure, **kwargs)
-                else:
-                    loss = self._step_masters(params, closure, **kwargs)
-        finally:
-            if self._masters is not None:
-                self._masters.factors.clear()
-        self._pull_hyperparams()
-        self._state_version += 1
-        self._state_flag.value = True
-        return loss
-
-    def _step_narrowed(
-        self,
-        params: Iterable[torch.Tensor] | None,
-        closure: Callable[[], Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One ``step`` of the wrapped optimizer, its groups narrowed to ``params`` if given."""
-        saved: list[list[torch.Tensor]] | None = None
-        if params is not None:
-            subsets: list[list[torch.Tensor]] = [[] for _ in self.optim.param_groups]
-            for p in params:
-                gi = self._local_slot.get(id(p))
-                if gi is not None:
-                    subsets[gi].append(self._opt_tensor(p))
-            saved = [g["params"] for g in self.optim.param_groups]
-            for g, sub in zip(self.optim.param_groups, subsets, strict=True):
-                g["params"] = sub
-        try:
-            if closure is not None or kwargs:
-                return self.optim.step(closure, **kwargs)
-            return self.optim.step()
-        finally:
-            if saved is not None:
-                for g, ps in zip(self.optim.param_groups, saved, strict=True):
-                    g["params"] = ps
-
-    def _step_masters(
-        self,
-        params: Iterable[torch.Tensor] | None,
-        closure: Callable[[], Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """The local step with master weights, chunk by chunk. See [Note: Master weights]."""
-        masters = self._masters
-        assert masters is not None  # only called with masters
-        loss = None
-        if closure is not None:  # evaluated once, before any chunk steps
-            with torch.enable_grad():
-                loss = closure()
-        wanted = None if params is None else {id(p) for p in params}
-        owned = [
-            p
-            for ps in _local_groups(self._layout, self.rank, len(self.param_groups))
-            for p in ps
-            if wanted is None or id(p) in wanted
-        ]
-        for chunk in masters.chunks(owned):
-            flats = masters.load_grads(chunk)
-            self._step_narrowed(chunk.params, None, **kwargs)
-            masters.write_back(chunk)
-            del flats
+        loss = self._zero1_only("step_local").step_local(params, closure, **kwargs)
+        self._stepped()
         return loss
 
     def sync_params(
@@ -527,9 +371,11 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         See [Note: Exact sync spans] in ``shardkit.optim._sync``: exactly the given params are
         sent, one broadcast per contiguous run of them per owner. With ``async_op`` the works
         are returned unwaited.
+
+        Raises:
+            RuntimeError: a :class:`ShardOwner` holds the params (it gathers them itself).
         """
-        with profiler_range("shardkit.optim.sync"):
-            return self._sync.sync(params, async_op=async_op)
+        return self._zero1_only("sync_params").sync_params(params, async_op)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Steps this rank's shard, then syncs every param from its owner. Collective.
@@ -552,10 +398,9 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             loss = self._driver.step(closure, **kwargs)
             self._state_version += 1
             return loss
-        self._check_before_step()
-        self._sync.reattach_moved()  # See [Note: Params moved off their buckets]
-        loss = self.step_local(None, closure, **kwargs)
-        self.sync_params()
+        self._check_before_step()  # may repartition: a new backend
+        loss = self._local.step(closure, **kwargs)
+        self._stepped()
         return loss
 
     # ------------------------------------------------------------------ drivers
@@ -563,8 +408,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         """Hands the step over to ``driver``; see [Note: Step drivers]. Local.
 
         With a :class:`ShardOwner` the optimizer releases what it allocated for its own step
-        (flat sync buffers, the wrapped optimizer's state, master copies) and forwards its
-        step, gradient, clipping and state-dict methods to the driver for good.
+        (flat sync buffers, the wrapped optimizer's state, master copies) and hands its step,
+        gradient, clipping and state-dict calls to the driver for good.
 
         Raises:
             TypeError: ``driver`` is not a ``StepDriver``.
@@ -584,15 +429,10 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         self._driver = driver
         if isinstance(driver, ShardOwner):
             # The params now live in the driver's buffers: forget ours without touching them.
-            self._sync.drop()
-            if self._masters is not None:  # the wrapped optimizer held the masters: unhook
-                local = _local_groups(self._layout, self.rank, len(self.param_groups))
-                for lg, ps in zip(self.optim.param_groups, local, strict=True):
-                    lg["params"] = list(ps)
-                self._masters = None
-            self.optim.state.clear()
-            self._consolidated = None
-            self.state = _install_state(self.optim, self._state_flag)
+            self._local.release()
+            self._backend = driver
+            self._consolidations.drop()
+            self.state = _install_state(self._local.optim, self._state_flag)
         self._state_version += 1
 
     def detach_driver(self) -> None:
@@ -602,9 +442,9 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             RuntimeError: the attached driver is a ``ShardOwner``, which holds the state for
                 good: build a new ShardedOptimizer instead.
         """
-        if isinstance(self._driver, ShardOwner):
+        if self._backend is not self._local:
             raise RuntimeError(
-                f"{self._driver.name} owns this optimizer's sharded state and cannot be "
+                f"{self._backend.name} owns this optimizer's sharded state and cannot be "
                 f"detached; build a new ShardedOptimizer to train without it"
             )
         self._driver = None
@@ -625,59 +465,35 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
         except TypeError as e:  # the local reasons are RuntimeErrors
             raise RuntimeError(str(e)) from None
 
-    def _owner(self) -> ShardOwner | None:
-        return self._driver if isinstance(self._driver, ShardOwner) else None
-
-    def _refuse_repartition(self, what: str) -> None:
-        owner = self._owner()
-        if owner is not None:
+    def _zero1_only(self, what: str) -> LocalShards:
+        """This optimizer's own backend, for what only it does (partitions, per-param steps and
+        syncs, per-param masters); raises while a :class:`ShardOwner` holds the state."""
+        if self._backend is not self._local:
             raise RuntimeError(
-                f"{what}: {owner.name} fixed this optimizer's params and bucket layout at "
-                f"construction; build a new ShardedOptimizer and wrapper instead"
+                f"{what}: {self._backend.name} fixed this optimizer's params and bucket layout "
+                f"at construction and holds its sharded state; build a new ShardedOptimizer and "
+                f"wrapper instead"
             )
+        return self._local
 
+    # ------------------------------------------------------------------ gradients
     def _unscale_for_scaler(
         self, inv_scale: torch.Tensor
     ) -> dict[torch.device, torch.Tensor] | None:
-        """``ShardedGradScaler``'s unscale with master weights (``None`` without masters).
-
-        Checks every local grad for inf/nan (per device, as torch's GradScaler reports it),
-        unscales in place only the grads of params that have no master on any rank (already
-        in ``master_dtype``), and queues ``inv_scale`` for the masters' fp32 grads. See
-        [Note: Master weights].
-        """
-        owner = self._owner()
-        if owner is not None:
-            return owner.unscale_for_scaler(inv_scale)
-        masters = self._masters
-        if masters is None:
-            return None
-        found = unscale_grads(
-            ((p.grad, masters.covers(p)) for p in self._layout.params if p.grad is not None),
-            inv_scale,
-        )
-        masters.factors.add(inv_scale)
-        return found
+        """``ShardedGradScaler``'s unscale: the backend's (``None``: torch's own applies).
+        See [Note: Master weights]."""
+        return self._backend.unscale_for_scaler(inv_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of every param (owned or not) on this rank.
 
         With master weights this also drops pending unscale/clip factors (new gradients).
         """
-        owner = self._owner()
-        if owner is not None:
-            owner.zero_grad(set_to_none)
-            return
-        super().zero_grad(set_to_none=set_to_none)
-        self._drop_grad_factors()
+        self._backend.zero_grad(set_to_none)
 
     def _drop_grad_factors(self) -> None:
         """Forgets pending unscale/clip factors (see [Note: Master weights])."""
-        owner = self._owner()
-        if owner is not None:
-            owner.drop_grad_factors()
-        elif self._masters is not None:
-            self._masters.factors.clear()
+        self._backend.drop_grad_factors()
 
     def clip_grad_norm(
         self,
@@ -696,7 +512,8 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             max_norm: maximum norm.
             norm_type: p of the p-norm, ``float("inf")`` for the max norm.
             filter_params_fn: maps the list of params to the ones to consider (e.g. to skip
-                params already clipped elsewhere).
+                params already clipped elsewhere); not under ShardedDataParallel, whose
+                gradients are sharded by element ranges.
 
         Returns:
             The total norm before clipping (fp32 scalar tensor).
@@ -709,51 +526,161 @@ class ShardedOptimizer(_StateDictMixin, Optimizer):
             RuntimeError: some rank is in another collective call or did not come within
                 ``collective_timeout`` (see [Note: Call agreement]).
         """
-        owner = self._owner()
-        if owner is not None:
-            if filter_params_fn is not None:
-                raise ValueError(
-                    f"clip_grad_norm(filter_params_fn=...) is not supported under {owner.name}: "
-                    f"gradients are sharded by element ranges, not params"
-                )
-            return owner.clip_grad_norm(max_norm, norm_type)
-        params = [p for p in self._layout.params if p.requires_grad]
-        if filter_params_fn is not None:
-            params = list(filter_params_fn(params))
-        owned = {id(p) for p in self.owned_params}
-        max_f, norm_f = check_clip_args(max_norm, norm_type)  # before the agreement, as ZeRO-2
-        with profiler_range("shardkit.optim.clip_grad_norm"):
-            # A rank that skips the clip (or is elsewhere) makes every rank raise within
-            # collective_timeout, before the norm's all-gather: [Note: Call agreement].
-            agree_call(CLIP_CALL, self.group, self._timeout)
-            return _clip_grad_norm(
-                [p for p in params if id(p) in owned],
-                params,
-                max_f,
-                norm_f,
-                self.group,
-                self._masters,
-            )
+        return self._backend.clip_grad_norm(max_norm, norm_type, filter_params_fn)
 
+    # ------------------------------------------------------------------ state dicts
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}`` (live).
 
-def _check_timeout(value: object) -> timedelta | None:
-    if value is None or isinstance(value, timedelta):
-        if isinstance(value, timedelta) and value.total_seconds() <= 0:
-            raise ValueError(f"collective_timeout must be positive, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(
-            f"collective_timeout must be a positive number of seconds, a timedelta or None, got "
-            f"{type(value).__name__}: {value!r}"
+        With master weights, also ``"master_params": {global index: master}`` (live). Under a
+        ``ShardOwner`` (see [Note: Step drivers]) it is the owner's ``checkpoint_state_dict()``
+        (collective there: every rank calls it, as ``save_sharded`` does).
+        """
+        return self._backend.checkpoint_state_dict()
+
+    def checkpoint_indices(self) -> list[int]:
+        """Global indices (see [Note: Global parameter index]) whose saved state this rank
+        reads when ``load_sharded`` loads a sharded checkpoint: the params it owns, or under a
+        ``ShardOwner`` the indices the owner names (every param, for ZeRO-2's element ranges:
+        see [Note: DCP sharded checkpoints]). Local. Part of :class:`ShardedCheckpointable`."""
+        return self._backend.checkpoint_indices()
+
+    def consolidate_state_dict(
+        self,
+        recipient_rank: int = 0,
+        skip: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        """Gathers the full state on ``recipient_rank`` (-1: every rank). Collective.
+
+        See [Note: Tensor consolidation] for what moves where. With master weights the master
+        values are gathered too (``"master_params"`` in :meth:`state_dict`).
+
+        Args:
+            recipient_rank: rank in the optimizer's group, or -1 for all ranks.
+            skip: params for which ``skip(param)`` is true keep their state on their owner; the
+                consolidated dict has their entries with ``meta`` tensors of the right shapes
+                (save those with :meth:`local_state_dict` on each owner instead). Not under
+                ShardedDataParallel.
+
+        Raises:
+            TypeError, ValueError: a bad argument on any rank (the first failing rank's error,
+                raised on every rank).
+        """
+        # Every rank in this call, within collective_timeout: see [Note: Call agreement].
+        agree_call(CONSOLIDATE_CALL, self.group, self._timeout)
+        skipped, error = check_consolidate_args(
+            recipient_rank, skip, self._layout.params, self.world_size
         )
-    return timedelta(seconds=float(value))
+        # Bad arguments on one rank raise on every rank, before any tensor moves.
+        agree_outcome(error, self.group, "consolidate_state_dict", template=_BAD_ARGUMENTS,
+                      default=ValueError)  # fmt: skip
+        self._consolidations.drop()
+        full = self._backend.full_state_dict(recipient_rank, skipped)
+        self._consolidations.record(self._state_version, recipient_rank, False, full)
+
+    def _consolidate_implicitly(self) -> None:
+        """Consolidates onto every rank. See [Note: Implicit consolidation]. Collective."""
+        global _logged_implicit
+        if not _logged_implicit:
+            _logged_implicit = True
+            logger.info(
+                "state_dict() with no consolidate_state_dict() since the last step: consolidating "
+                "the full optimizer state onto every rank (a collective: every rank calls "
+                "state_dict(), as torch.distributed.checkpoint.state_dict does)"
+            )
+        agree_call(IMPLICIT_CONSOLIDATE_CALL, self.group, self._timeout)  # [Note: Call agreement]
+        ShardedOptimizer.consolidate_state_dict(self, recipient_rank=-1)
+        self._consolidations.mark_implicit()
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """The consolidated state in plain torch format (loads into ``optim`` unsharded).
+
+        With master weights the dict also has ``"master_params"``: {global index: master
+        value} (``master_dtype``, on the CPU), beside the plain ``"state"`` (the state of the
+        masters) and ``"param_groups"``; plain torch optimizers ignore the extra key.
+
+        After ``consolidate_state_dict(recipient_rank=r)`` on every rank, call it on rank ``r``
+        alone (no communication). In a program that never consolidates explicitly, it is a
+        collective that consolidates onto every rank first, so
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` and Accelerate work: see
+        [Note: Implicit consolidation].
+
+        Args:
+            all_ranks: consolidate on every rank first (collective) and return it everywhere.
+
+        Raises:
+            RuntimeError: the state was consolidated onto another rank, or onto this rank and
+                the optimizer stepped/loaded since; or, in the implicit collective, some rank
+                did not call it within ``collective_timeout``.
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        elif self._consolidations.needs_implicit(self._state_version):
+            self._consolidate_implicitly()
+        return self._consolidations.current(self._state_version, self.rank)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a plain torch optimizer state dict (from any world size); keeps only this shard.
+
+        The caller's dict is not modified nor aliased. ``meta`` placeholder entries (params
+        skipped at consolidation) leave the current state of those params untouched. With
+        master weights, each owned master is set from ``"master_params"`` exactly when the dict
+        has it, else from the live param (load the model's weights first).
+        """
+        self._backend.load_full_state_dict(state_dict)
+        for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            wg.update(copy.deepcopy(_hyperparams(sg)))  # [Note: One owner of hyper-parameters]
+        self.state = _install_state(self._local.optim, self._state_flag)
+        self._stepped()
+
+    def master_model_state_dict(
+        self, model: nn.Module, recipient_rank: int = 0
+    ) -> dict[str, torch.Tensor] | None:
+        """The model's state dict at full precision, for export. Collective.
+
+        Every param with a master is replaced by its master value, gathered from its owner;
+        every other floating tensor is upcast to ``master_dtype`` (exact); the rest is copied.
+        Tensors are on the CPU.
+
+        Args:
+            model: the model whose params this optimizer steps (names come from it).
+            recipient_rank: rank of the optimizer's group that gets the dict, -1 for every rank.
+
+        Returns:
+            The state dict on the recipient(s), ``None`` elsewhere.
+
+        Raises:
+            RuntimeError: the optimizer has no master weights (``master_dtype=None``), or
+                ShardedDataParallel holds them.
+        """
+        local = self._zero1_only("master_model_state_dict")
+        return local.master_model_state_dict(model, recipient_rank)
+
+    def load_master_model_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Loads full-precision weights into the model (cast to its dtypes) and the masters.
+
+        Every rank passes the whole dict (e.g. from :meth:`master_model_state_dict` or an fp32
+        checkpoint): the model's params get the values rounded to their dtype, and the masters
+        this rank owns get them exactly. Not a collective.
+
+        Args:
+            model: the model whose params this optimizer steps.
+            state_dict: the full-precision model state dict.
+            strict: as for ``nn.Module.load_state_dict``.
+
+        Raises:
+            RuntimeError: the optimizer has no master weights (or ShardedDataParallel holds
+                them), or ``strict`` and keys differ.
+        """
+        self._zero1_only("load_master_model_state_dict").load_master_model_state_dict(
+            model, state_dict, strict
+        )
+        self._state_version += 1
 
 
-def _index_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    j = 0
-    for g in groups:
-        n = len(g["params"])
-        out.append({**_hyperparams(g), "params": list(range(j, j + n))})
-        j += n
-    return out
+_BAD_ARGUMENTS = (
+    "{what}: rank {rank}{also} of the optimizer's group passed invalid arguments ({kind}: "
+    "{message}); fix the call on that rank"
+)

@@ -6,13 +6,14 @@ See [Note: Global parameter index].
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
 from shardkit.optim._driver import ShardLayout
+from torch.optim import Optimizer
 
-__all__: list[str] = []
+__all__ = ["GroupView", "share_hyperparams"]
 
 
 def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,3 +209,67 @@ def _install_state(optim: Any, flag: _StateFlag) -> _ShardState:
         state.flag = flag
         optim.state = state
     return state
+
+
+# [Note: One owner of hyper-parameters]
+# The hyper-parameters of a sharded optimizer live in one place: the front's param groups
+# (``ShardedOptimizer.param_groups``), which LR schedulers, the user, the state dicts and the
+# per-step agreement read and write. The wrapped optimizer that steps this rank's shard
+# (ZeRO-1's ``LocalShards.optim``, or a ``ShardStepper``'s under ZeRO-2) holds ``GroupView``
+# groups: its own ``"params"`` (the shard) and every other key read from and written to the
+# front's group, so nothing is copied in either direction around a step. A scheduler's new lr is
+# what the next local step reads, and an optimizer that writes its group inside ``step`` (apex's
+# ``FusedAdam`` counts ``group["step"]`` there) writes the front's group, where the next per-step
+# agreement sees it. ``Optimizer.load_state_dict`` replaces the groups with plain dicts: the owner
+# of the wrapped optimizer calls :func:`share_hyperparams` again after loading.
+class GroupView(MutableMapping[str, Any]):
+    """A param group of a wrapped optimizer: own ``"params"``, the front group's other keys.
+
+    See [Note: One owner of hyper-parameters].
+    """
+
+    def __init__(self, front: dict[str, Any], params: list[torch.Tensor]) -> None:
+        self.front = front
+        """The front's param group (the one owner of the hyper-parameters)."""
+        self.params = params
+        """The tensors the wrapped optimizer steps for this group."""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.params if key == "params" else self.front[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            self.params = value
+        else:
+            self.front[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key == "params":
+            raise KeyError("a param group keeps its 'params'")
+        del self.front[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield "params"
+        yield from (k for k in self.front if k != "params")
+
+    def __len__(self) -> int:
+        return 1 + sum(1 for k in self.front if k != "params")
+
+    def __repr__(self) -> str:
+        return f"GroupView({len(self.params)} params, {_hyperparams(self.front)!r})"
+
+
+def share_hyperparams(front_groups: Sequence[dict[str, Any]], optim: Optimizer) -> None:
+    """Makes ``optim``'s groups views of ``front_groups`` (one each, in order).
+
+    Keys the wrapped optimizer filled in itself (its defaults) and the front lacks are added to
+    the front first; the front's values win otherwise. See [Note: One owner of hyper-parameters].
+    """
+    views: list[dict[str, Any]] = []
+    for front, local in zip(front_groups, optim.param_groups, strict=True):
+        for k, v in local.items():
+            if k != "params":
+                front.setdefault(k, v)
+        # Typed as dicts by torch; every access torch makes is through the mapping protocol.
+        views.append(cast(dict[str, Any], GroupView(front, list(local["params"]))))
+    optim.param_groups = views

@@ -15,6 +15,9 @@ that frame belongs to one of ``packages`` (module names), and not when it is any
 - the model's own forward runs inside ``nn.Module.__call__``: the walk stops at that frame, so
   the activations of a module that a package's ``forward`` calls are the model's; a hook the
   package registers on a module runs inside that frame and is the package's;
+- a torch-function mode on the stack (shardkit-ddp's param-access guard, left there by a
+  wrapper whose training ended with a ``step()``) only passes each call on: its
+  ``__torch_function__`` frame is skipped, and the call belongs to whoever made it;
 - an operator's own implementation (a collective's internal buffers, a fused optimizer's
   kernels) is not dispatched to the mode again: the operator is counted as one call, by its
   outputs.
@@ -102,6 +105,9 @@ class LargeAllocations(TorchDispatchMode):  # type: ignore[no-untyped-call]  # t
             module = str(frame.f_globals.get("__name__", ""))
             if module == "torch.nn.modules.module":  # inside a module call: the model's
                 return None
+            if frame.f_code.co_name == "__torch_function__":  # a mode passing the call on
+                frame = frame.f_back
+                continue
             if module != "torch" and not module.startswith(("torch.", "shardkit.testing")):
                 if module.startswith(self.packages):
                     return f"{module}:{frame.f_lineno} ({frame.f_code.co_name})"
