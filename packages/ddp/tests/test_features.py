@@ -125,6 +125,54 @@ def test_bf16_with_fp32_masters_matches_reference(name: str) -> None:
 
 
 @world(2)
+def test_weights_written_after_the_wrapper_was_built_are_stepped_from() -> None:
+    """shardkit-optim's [Note: Params written outside the optimizer] under ZeRO-2: weights
+    loaded into the model after it was wrapped (and an in-place write right after a step, while
+    the param gathers are still in flight) are what the next step starts from, as for DDP with
+    fp32 copies re-seeded by hand; a write of the same values keeps the exact masters."""
+    ref_m = _model().to(torch.bfloat16)
+    m = copy.deepcopy(ref_m)
+    torch.manual_seed(11)
+    other = {k: torch.randn_like(v) for k, v in ref_m.state_dict().items()}
+    ref = DDP(ref_m)
+    masters = [p.detach().float().clone() for p in ref_m.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    opt = ShardedOptimizer(
+        m.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+        master_dtype=torch.float32,
+    )  # fmt: skip
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64)
+    writes = [
+        lambda model: model.load_state_dict(model.state_dict()),  # same values: masters kept
+        lambda model: model.load_state_dict(other),  # new weights after the wrapper was built
+        lambda model: next(model.parameters()).mul_(0.5),  # in place, right after the step
+    ]
+    for step in range(4):
+        ref_m.zero_grad()
+        _loss(ref, step, dtype=torch.bfloat16).backward()
+        for mp, p in zip(masters, ref_m.parameters(), strict=True):
+            mp.grad = p.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for mp, p in zip(masters, ref_m.parameters(), strict=True):
+                p.copy_(mp)
+        opt.zero_grad()
+        _loss(sdp, step, dtype=torch.bfloat16).backward()
+        opt.step()
+        if step < len(writes):
+            with torch.no_grad():
+                writes[step](ref_m)
+                writes[step](m)
+                for mp, p in zip(masters, ref_m.parameters(), strict=True):  # by hand
+                    if not torch.equal(p, mp.to(p.dtype)):
+                        mp.copy_(p)
+    _equal(ref_m, m)
+    full = opt.state_dict(all_ranks=True)
+    for i, mp in enumerate(masters):
+        assert torch.equal(full["master_params"][i], mp), i
+
+
+@world(2)
 def test_muon_whole_params_bit_exact() -> None:
     if not hasattr(torch.optim, "Muon"):
         pytest.skip("torch.optim.Muon needs torch >= 2.9")

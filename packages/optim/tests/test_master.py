@@ -574,3 +574,45 @@ def test_grad_scaler_unscale_hook_pin() -> None:
     assert calls == [(opt, 0.25, False)]
     assert scaler.step(opt) is None  # found_inf from the hook: the step is skipped
     assert torch.equal(p, torch.ones(2))
+
+
+# ---------------------------------------------------------------------------- written params
+
+
+@pytest.mark.parametrize("chunk", [64, None])
+@world(2)
+def test_weights_written_after_the_optimizer_was_built_are_stepped_from(chunk: int | None) -> None:
+    """[Note: Params written outside the optimizer]: ``model.load_state_dict`` (and an in-place
+    write) after the optimizer was built are what the next step starts from, as for the plain
+    reference; a write of the same values keeps the exact masters."""
+    cls, kw = _OPTIMS["adamw"]
+    ref = _Reference(_model(), cls, **kw)
+    model = _model()
+    opt = ShardedOptimizer(
+        _groups(model), cls, master_dtype=torch.float32, master_grad_bucket_bytes=chunk, **kw
+    )
+    torch.manual_seed(7)
+    other = _model().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    writes = [
+        lambda m: m.load_state_dict(m.state_dict()),  # the same values: masters kept
+        lambda m: m.load_state_dict(other.state_dict()),  # new weights after the optimizer
+        lambda m: m[0].weight.mul_(0.5),  # an in-place write to one param
+    ]
+    for step in range(4):
+        for m in (ref.model, model):
+            m.zero_grad()
+            _loss(m, step).backward()
+        ref.step()
+        opt.step()
+        _assert_equal(ref.model, model, f"step {step}")
+        if step < len(writes):
+            with torch.no_grad():
+                for m in (ref.model, model):
+                    writes[step](m)
+            for p, master in ref.master.items():  # the reference's user re-seeds by hand
+                if not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p)
+    got = opt.master_model_state_dict(model, recipient_rank=-1)
+    assert got is not None
+    for (name, p), want in zip(model.named_parameters(), ref.master.values(), strict=True):
+        assert torch.equal(got[name], want), name

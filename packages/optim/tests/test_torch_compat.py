@@ -12,6 +12,7 @@ import torch.distributed as dist
 from shardkit.optim import profiler_range, queue_end_of_backward
 from shardkit.partition import all_gather_objects
 from shardkit.testing import world
+from torch import nn
 
 
 def test_queue_callback_runs_after_every_hook() -> None:
@@ -115,3 +116,29 @@ def test_default_store_is_shared_by_the_ranks() -> None:
         store.delete_key("slot")  # (its return value differs between stores: not relied on)
     dist.barrier()
     assert not store.check(["slot"])
+
+
+def test_version_counter_pin() -> None:
+    """What [Note: Params written outside the optimizer] relies on: every in-place write to a
+    param (``copy_``, ``load_state_dict``, ``nn.init``, an op on a view of it) bumps its
+    version; a write to the flat buffer it was re-pointed into, or a read, does not."""
+    from shardkit.optim._torch_compat import tensor_version
+
+    buf = torch.zeros(8)
+    layer = nn.Linear(2, 2)
+    p = layer.weight
+    p.data = buf[:4].view(2, 2)  # as a flat bucket re-points a param
+    seen = tensor_version(p)
+    buf.add_(1)
+    (p * 2).sum()
+    assert tensor_version(p) == seen
+    for write in (
+        lambda: p.mul_(1.0),
+        lambda: layer.load_state_dict(nn.Linear(2, 2).state_dict()),
+        lambda: nn.init.zeros_(p),
+        lambda: p[0].copy_(torch.ones(2)),
+    ):
+        with torch.no_grad():
+            write()
+        assert tensor_version(p) > seen
+        seen = tensor_version(p)

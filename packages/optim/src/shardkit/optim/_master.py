@@ -44,13 +44,17 @@ are ignored) and the masters survive every save, consolidation and reshard exact
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from shardkit.optim._grad_factors import GradFactors
+from shardkit.optim._torch_compat import tensor_version
 
 __all__: list[str] = []
+
+logger = logging.getLogger("shardkit.optim")
 
 MASTER_KEY = "master_params"
 """Top-level key of the master values in state dicts (global index -> tensor)."""
@@ -96,6 +100,62 @@ class _Chunk:
     grad_bytes: int = 0
 
 
+# [Note: Params written outside the optimizer]
+# A master is the truth of its param: each step casts it into the param. A value written into
+# the param by anyone else after the master was made (``model.load_state_dict`` of weights after
+# the optimizer was built, ``nn.init``, a clamp) would be overwritten by the next step, silently,
+# where DDP and a plain optimizer step from the written value. So the owner records each param's
+# version counter (``_torch_compat.tensor_version``) when the master was made, loaded or cast
+# into the param; before a param is stepped again a changed counter means someone wrote it, and
+# if its value is no longer the master's rounding the master is re-seeded from it (logged once).
+# Reading a counter costs nothing next to the step; values are compared only for written params.
+# Writes through ``p.data`` (and raw pointers, other processes) do not move the counter: they
+# stay unseen, as they are for autograd (documented in the README's Limits). ZeRO-1's masters
+# (``_Masters``) and ZeRO-2's (``ShardStepper``, per piece of the param) both follow it.
+def reseed_written(
+    items: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], versions: dict[int, int]
+) -> list[torch.Tensor]:
+    """Re-seeds the masters of params written since ``versions`` recorded them, where the
+    written value is no longer the master's rounding; returns those params.
+
+    ``items`` are ``(param, values, master)``: the counter is read on the param itself, the
+    values compared are the whole param (ZeRO-1) or this rank's piece of it (ZeRO-2). See
+    [Note: Params written outside the optimizer].
+    """
+    items = list(items)
+    written: dict[int, int] = {}
+    for p, _, _ in items:
+        seen, now = versions.get(id(p)), tensor_version(p)
+        if seen is not None and seen != now:
+            written[id(p)] = now
+    out: list[torch.Tensor] = []
+    if written:
+        with torch.no_grad():
+            for p, values, m in items:
+                if id(p) in written and not torch.equal(values, m.to(values.dtype)):
+                    m.copy_(values)
+                    out.append(p)
+        versions.update(written)
+    return out
+
+
+_logged_reseed = False
+
+
+def log_reseeded(written: Sequence[torch.Tensor]) -> None:
+    """Logs (once per process) that masters were re-seeded from written params."""
+    global _logged_reseed
+    if written and not _logged_reseed:
+        _logged_reseed = True
+        logger.warning(
+            "%d param(s) with fp32 master weights were written outside the optimizer since it "
+            "last stepped them (e.g. model.load_state_dict() after the optimizer was built); "
+            "their masters now start from the written values, as a plain optimizer would "
+            "(logged once)",
+            len(written),
+        )
+
+
 class _Masters:
     """The masters of one partition: ``id(param) -> master`` and back."""
 
@@ -109,6 +169,9 @@ class _Masters:
         weights])."""
         self.factors = GradFactors()
         """Pending gradient multipliers (the scaler's 1/scale, clip coefficients), in order."""
+        self.versions: dict[int, int] = {}
+        """``id(param) -> its version counter`` when its master was last made, loaded or cast
+        into it ([Note: Params written outside the optimizer])."""
 
     def add(self, p: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         """Makes ``p``'s master from ``value`` (a moved or kept master) or the live param."""
@@ -118,7 +181,19 @@ class _Masters:
             master.copy_(src)
         self._master[id(p)] = master
         self._param[id(master)] = p
+        self.versions[id(p)] = tensor_version(p)
         return master
+
+    def mark_current(self, params: Iterable[torch.Tensor]) -> None:
+        """Records ``params``' versions: their masters are the truth from here (just loaded)."""
+        for p in params:
+            if id(p) in self._master:
+                self.versions[id(p)] = tensor_version(p)
+
+    def reseed_written(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """:func:`reseed_written` over ``params``' masters; returns the re-seeded params."""
+        items = [(p, p, self._master[id(p)]) for p in params if id(p) in self._master]
+        return reseed_written(items, self.versions)
 
     def get(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s master, if it has one."""
@@ -196,6 +271,7 @@ class _Masters:
                 if m is not None and m.grad is not None:
                     p.copy_(m)
                     m.grad = None
+                    self.versions[id(p)] = tensor_version(p)
 
 
 def split_wire(

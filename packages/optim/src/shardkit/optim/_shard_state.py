@@ -315,6 +315,7 @@ def load_full_state_dict(
         if local is not None:
             local.state[e.opt] = st
         _load_master(e, master)
+    stepper.mark_masters_current()
     laid = {id(p) for b in buckets for p in b.params}
     params = [p for g in param_groups for p in g["params"]]
     return ParkedState(

@@ -48,9 +48,10 @@ import torch
 from shardkit.optim._clip import block_norms
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._grad_factors import GradFactors
-from shardkit.optim._master import unscale_grads
+from shardkit.optim._master import log_reseeded, reseed_written, unscale_grads
 from shardkit.optim._state import _hyperparams as hyperparams
 from shardkit.optim._state import share_hyperparams
+from shardkit.optim._torch_compat import tensor_version
 from torch.optim import Optimizer
 
 __all__ = ["ShardEntry", "ShardStepper"]
@@ -126,6 +127,9 @@ class ShardStepper:
         self.factors = GradFactors()
         """Pending gradient factors (loss scaler's ``1/scale``, clip coefficient) for tensors
         with masters, applied in fp32 at the step, in order."""
+        self.versions: dict[int, int] = {}
+        """``id(param) -> version counter`` of the params with masters when the masters were
+        last made or loaded ([Note: Params written outside the optimizer])."""
         self.entries: list[list[ShardEntry]] = [[] for _ in param_groups]
         """Per param group, the tensors this rank steps."""
         for b in buckets:
@@ -171,6 +175,14 @@ class ShardStepper:
                 e.master = flats[d][offsets[d] : offsets[d] + n].view(e.tensor.shape)
                 e.master.copy_(e.tensor)
                 offsets[d] += n
+        self.mark_masters_current()
+
+    def mark_masters_current(self) -> None:
+        """Records the version counters of the params with masters: the masters are the truth
+        from here (made, or loaded). See [Note: Params written outside the optimizer]."""
+        for e in self.all_entries():
+            if e.master is not None:
+                self.versions[id(e.param)] = tensor_version(e.param)
 
     def drop_factors(self) -> None:
         """Forgets the pending gradient factors (the loss scaler's ``1/scale``, a clip
@@ -224,6 +236,11 @@ class ShardStepper:
         if local is None:
             self.factors.clear()
             return
+        # See [Note: Params written outside the optimizer] (the params' gathers are done).
+        written = (
+            (e.param, e.tensor, e.master) for e in self.all_entries() if e.master is not None
+        )
+        log_reseeded(reseed_written(written, self.versions))
         try:
             plain: list[ShardEntry] = []
             chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters

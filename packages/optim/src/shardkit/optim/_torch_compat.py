@@ -23,6 +23,14 @@ instead of keeping copies).
   first-writer-wins, a ``wait`` that times out and leaves the client usable, ``multi_get``,
   ``delete_key``.
 
+* ``torch.Tensor._version``: the version counter autograd keeps per tensor, bumped by every
+  in-place op on it (``copy_`` in ``load_state_dict``, ``nn.init``, ``p.mul_``), not by writes
+  through ``p.data`` nor through another tensor that shares its storage without being its view
+  (a flat buffer the param was re-pointed into). Master weights use it to notice params
+  written outside the optimizer ([Note: Params written outside the optimizer] in
+  ``_master.py``); there is no public equivalent short of comparing values every step.
+  ``tests/test_torch_compat.py::test_version_counter_pin`` pins what is relied on.
+
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
 inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
 and whose result becomes the optimizer's found-inf flags. ``ShardedGradScaler`` overrides it to
@@ -36,6 +44,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch.autograd import Variable
@@ -47,6 +56,7 @@ __all__ = [
     "profiling",
     "queue_end_of_backward",
     "reduce_scatter_single",
+    "tensor_version",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (now deprecated, with a
@@ -109,3 +119,8 @@ def profiling() -> bool:
             "profiler ranges are opened on every step (logged once)"
         )
     return True
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it changes with every in-place op on ``t`` or its views."""
+    return int(t._version)  # noqa: SLF001 (pinned torch internal)

@@ -29,6 +29,7 @@ from shardkit.optim._master import (
     _Masters,
     check_master_values,
     join_wire,
+    log_reseeded,
     needs_master,
     split_wire,
     unscale_grads,
@@ -216,6 +217,8 @@ class LocalShards(ShardOwner):
             for p in ps
             if wanted is None or id(p) in wanted
         ]
+        # See [Note: Params written outside the optimizer].
+        log_reseeded(masters.reseed_written(owned))
         for chunk in masters.chunks(owned):
             flats = masters.load_grads(chunk)
             self._step_narrowed(chunk.params, None, **kwargs)
@@ -361,6 +364,7 @@ class LocalShards(ShardOwner):
                     if m is None or (value is not None and value.is_meta):
                         continue  # no master, or skipped at consolidation: keep it
                     m.copy_(params[i] if value is None else value)
+            self.masters.mark_current(params[i] for i in self.layout.owned(self.rank))
 
     # ------------------------------------------------------------------ masters
     def master_model_state_dict(
@@ -401,6 +405,7 @@ class LocalShards(ShardOwner):
                 m = masters.get(p)
                 if m is not None and name in values:
                     m.copy_(values[name])
+        masters.mark_current(model.parameters())
 
     def _require_masters(self, what: str) -> _Masters:
         if self.masters is None:
