@@ -41,6 +41,8 @@ from shardkit.optim._agreement import (
     hyperparam_digest,
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
+from shardkit.optim._compact import stores_compact
+from shardkit.optim._compact_optim import check_compact
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
@@ -100,13 +102,20 @@ class ShardedOptimizer(Optimizer):
             some rank did not make the same call (see [Note: Call agreement]); ``None``: 30 s.
             Raise it if ranks legitimately reach ``step()`` far apart (e.g. rank 0 alone runs
             a long evaluation first).
+        compact_state: ``"int8"`` or ``"int4"``: keep Adam's / AdamW's moments block-quantized
+            (8-bit: about 2.03 bytes per param for both, 4-bit: 1.06; fp32: 8) for every param
+            of at least 4096 elements, stepped bit for bit as the plain optimizer whose moments
+            are requantized after each step; ZeRO-1 and the overlap hook (see [Note: Compact
+            state under ZeRO-1]). Needs ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params
+            or ``master_dtype=torch.float32``. ``None``: full precision.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
         TypeError: ``optim`` is not an Optimizer subclass, or ``group`` is not a ProcessGroup.
         ValueError: ranks disagree on the params (fingerprint check), this process is not in
             ``group``, an unknown partition algorithm, ``master_dtype`` with
-            ``broadcast_fp16``, or a bad ``master_grad_bucket_bytes``.
+            ``broadcast_fp16``, a bad ``master_grad_bucket_bytes``, or ``compact_state`` with
+            large low-precision params and no ``master_dtype``.
     """
 
     def __init__(
@@ -120,6 +129,7 @@ class ShardedOptimizer(Optimizer):
         master_dtype: torch.dtype | None = None,
         master_grad_bucket_bytes: int | None = 32 << 20,
         collective_timeout: float | timedelta | None = None,
+        compact_state: str | None = None,
         **defaults: Any,
     ) -> None:
         optim = check_optim_class(optim, defaults)
@@ -128,6 +138,7 @@ class ShardedOptimizer(Optimizer):
         if not isinstance(broadcast_fp16, bool):
             raise TypeError(f"broadcast_fp16 must be a bool, got {broadcast_fp16!r}")
         self.master_dtype = check_master_dtype(master_dtype, broadcast_fp16)
+        self._compact = check_compact(compact_state, optim)
         self._master_grad_bucket_bytes = check_chunk_bytes(master_grad_bucket_bytes)
         self._timeout = check_timeout(collective_timeout)
         self.group: dist.ProcessGroup = _resolve_group(group)
@@ -174,7 +185,7 @@ class ShardedOptimizer(Optimizer):
                 self._algorithm,
                 self.broadcast_fp16,
                 str(self.master_dtype),
-                self._optim_cls.__name__,
+                f"{self._optim_cls.__name__}, compact_state={self._compact}",
             ),
         )
         check_consistent(params, group=self.group)
@@ -193,6 +204,8 @@ class ShardedOptimizer(Optimizer):
                 imposed = (owners, order)
             else:
                 self._imposed = None
+        if self._compact is not None and self.master_dtype is None:
+            _check_compact_params(params, self._compact)
         layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
         self._local = LocalShards(
             self.param_groups,
@@ -205,6 +218,7 @@ class ShardedOptimizer(Optimizer):
             self._master_grad_bucket_bytes,
             self._timeout,
             carried,
+            self._compact,
         )
         self._backend = self._local
         self._layout = layout
@@ -427,6 +441,12 @@ class ShardedOptimizer(Optimizer):
                 f"one first."
             )
         self._driver = driver
+        if isinstance(driver, ShardOwner) and self._compact is not None:
+            raise ValueError(
+                f"compact_state={self._compact!r} is supported under ZeRO-1 (with torch DDP) and "
+                f"shardkit-overlap's hook, not yet under {driver.name}: its element-range shards "
+                f"need block-aligned buckets. Build the ShardedOptimizer without compact_state."
+            )
         if isinstance(driver, ShardOwner):
             # The params now live in the driver's buffers: forget ours without touching them.
             self._local.release()
@@ -684,3 +704,19 @@ _BAD_ARGUMENTS = (
     "{what}: rank {rank}{also} of the optimizer's group passed invalid arguments ({kind}: "
     "{message}); fix the call on that rank"
 )
+
+
+def _check_compact_params(params: list[torch.Tensor], kind: str) -> None:
+    """Compact moments step an fp32 value: a large low-precision param needs a master."""
+    low = [
+        (i, p.dtype)
+        for i, p in enumerate(params)
+        if p.requires_grad and p.dtype != torch.float32 and stores_compact(p.numel(), p.dtype)
+    ]
+    if low:
+        i, dtype = low[0]
+        raise ValueError(
+            f"compact_state={kind!r} steps fp32 values, but param {i} is {dtype} "
+            f"({len(low)} such param(s)) and master_dtype is None: pass "
+            f"master_dtype=torch.float32 (fp32 masters, compact moments) or keep fp32 params"
+        )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import CLIP_CALL, MASTER_STATE_DICT_CALL, agree_call
 from shardkit.optim._clip import _clip_grad_norm, check_clip_args
+from shardkit.optim._compact_optim import compact_class, plain_state
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._driver import ShardLayout, ShardOwner
 from shardkit.optim._master import (
@@ -68,6 +69,8 @@ class LocalShards(ShardOwner):
         timeout: The front's ``collective_timeout`` (for the clip's call agreement).
         carried: State (and masters, under the wire key) carried over from the previous
             partition, by ``id(param)``.
+        compact_state: ``"int8"`` / ``"int4"``: Adam's moments kept block-quantized (see
+            [Note: Compact state under ZeRO-1]), or ``None``.
     """
 
     name = "ShardedOptimizer"
@@ -84,6 +87,7 @@ class LocalShards(ShardOwner):
         master_grad_bucket_bytes: int | None,
         timeout: timedelta | None,
         carried: Mapping[int, Mapping[str, Any]],
+        compact_state: str | None = None,
     ) -> None:
         self.param_groups = param_groups
         self.layout = layout
@@ -105,6 +109,8 @@ class LocalShards(ShardOwner):
             {**_hyperparams(g), "params": [self.opt_tensor(p) for p in ps]}
             for g, ps in zip(param_groups, local, strict=True)
         ]
+        if compact_state is not None:
+            optim_cls = compact_class(optim_cls, compact_state)
         self.optim: Optimizer = optim_cls(groups, **defaults)
         """The wrapped optimizer, on this rank's params (or their masters)."""
         entries: dict[int, dict[str, Any]] = {}
@@ -125,7 +131,12 @@ class LocalShards(ShardOwner):
 
     def owned_entries(self) -> dict[int, dict[str, Any]]:
         """This rank's live state by global index, masters riding along (for transport)."""
-        local = _owned_state(self.optim.state, self.layout, self.rank, self.opt_tensor)
+        local = {  # compact moments travel as fp32: [Note: Compact state under ZeRO-1]
+            i: plain_state(st)
+            for i, st in _owned_state(
+                self.optim.state, self.layout, self.rank, self.opt_tensor
+            ).items()
+        }
         if self.masters is None:
             return local
         masters: dict[int, torch.Tensor] = {}

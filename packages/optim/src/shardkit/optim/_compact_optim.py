@@ -1,0 +1,197 @@
+"""``ShardedOptimizer(..., compact_state=...)``'s wrapped optimizer: torch's Adam / AdamW with
+block-quantized moments (issue 40).
+
+[Note: Compact state under ZeRO-1]
+With ``compact_state="int8"`` or ``"int4"`` the wrapped optimizer of ZeRO-1's ``LocalShards``
+(and so of the overlap hook, which steps through it) is :func:`compact_class` of the class the
+user passed: a subclass of ``torch.optim.Adam`` / ``AdamW`` with the same constructor, defaults
+and hyper-parameters, whose ``step`` is :func:`~shardkit.optim._compact_step.compact_adam_step`
+(torch's own functional Adam on dequantized chunks, requantized after: bit for bit the plain
+optimizer whose moments are requantized after each step). Which params get compact moments is
+:func:`~shardkit.optim._compact.stores_compact` of the stepped value (the fp32 param, or its
+fp32 master): ZeRO-1 owns whole params, so that is the param's global size, the same at every
+world size, and blocks are never cut.
+
+The state keeps torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), a
+``CompactTensor`` in place of each compact moment. Everything that moves state between ranks or
+to disk (consolidation, repartition, ``state_dict()``, sharded checkpoints) sees fp32 moments:
+:func:`plain_state` dequantizes on the way out, and ``load_state_dict`` quantizes them again on
+the way in (a load-state-dict post hook, torch's public API). quantize(dequantize(codes)) gives
+the same codes ([Note: Signed scale] in ``_compact.py``), so a save, a consolidation or a reshard
+N -> M and back is exact; a dict from a plain torch optimizer is quantized once. The cost: what
+moves and what is written is fp32 (4 bytes per moment element), not the codes: storing codes in
+sharded checkpoints is format 3's work (``docs/engine.md``, "Compact optimizer state").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+from shardkit.optim._compact import CompactTensor, moment_formats, stores_compact
+from shardkit.optim._compact_step import AdamState, Impl, StepScratch, compact_adam_step
+from torch.optim import Optimizer
+
+__all__ = ["COMPACT_KINDS", "check_compact", "compact_class", "plain_state"]
+
+logger = logging.getLogger("shardkit.optim")
+_logged_quantized = False
+
+COMPACT_KINDS = ("int8", "int4")
+"""The values ``compact_state`` takes (besides ``None``)."""
+
+_BASES = (torch.optim.Adam, torch.optim.AdamW)
+_KINDS: dict[type[Optimizer], str] = {}
+"""The kind of each class :func:`compact_class` made."""
+_CLASSES: dict[tuple[type[Optimizer], str], type[Optimizer]] = {}
+"""The class :func:`compact_class` made for each ``(base, kind)``."""
+
+
+def check_compact(kind: object, optim_cls: type[Optimizer]) -> str | None:
+    """``compact_state`` for ``optim_cls``: ``None`` or one of :data:`COMPACT_KINDS`.
+
+    Raises:
+        ValueError: an unknown kind.
+        TypeError: an optimizer class other than ``torch.optim.Adam`` / ``AdamW``.
+    """
+    if kind is None:
+        return None
+    if not isinstance(kind, str) or kind not in COMPACT_KINDS:
+        raise ValueError(
+            f"compact_state must be None, 'int8' or 'int4', got {type(kind).__name__}: {kind!r}"
+        )
+    if optim_cls not in _BASES:
+        raise TypeError(
+            f"compact_state={kind!r} keeps Adam's moments block-quantized: it needs "
+            f"optim=torch.optim.Adam or torch.optim.AdamW, got {optim_cls.__name__} (other "
+            f"optimizers keep full-precision state: leave compact_state=None)"
+        )
+    return kind
+
+
+def compact_class(base: type[Optimizer], kind: str) -> type[Optimizer]:
+    """``base`` (Adam or AdamW) with ``kind`` moments: see [Note: Compact state under ZeRO-1].
+
+    One class per ``(base, kind)``, made once.
+    """
+    made = _CLASSES.get((base, kind))
+    if made is not None:
+        return made
+    adam_base = cast(type[torch.optim.Adam], base)
+
+    class _Compact(adam_base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for g in self.param_groups:
+                if g.get("capturable") or g.get("differentiable"):
+                    raise ValueError(
+                        f"compact_state={kind!r} does not support capturable=True or "
+                        f"differentiable=True (the compact step is eager)"
+                    )
+            self.scratch: dict[torch.device, StepScratch] = {}
+            self.register_load_state_dict_post_hook(_quantize_loaded)
+
+        @torch.no_grad()
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                states = [_state_of(self, p, group) for p in params]
+                device = params[0].device
+                scratch = self.scratch.setdefault(device, StepScratch())
+                compact_adam_step(
+                    params,
+                    [p.grad for p in params],
+                    states,
+                    lr=_scalar(group["lr"]),
+                    betas=(_scalar(group["betas"][0]), _scalar(group["betas"][1])),
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    decoupled_weight_decay=bool(
+                        group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW))
+                    ),
+                    amsgrad=group["amsgrad"],
+                    maximize=group["maximize"],
+                    impl=_impl(group, params),
+                    scratch=scratch,
+                )
+            return loss
+
+    _Compact.__name__ = _Compact.__qualname__ = f"Compact{base.__name__}"
+    _KINDS[_Compact] = kind
+    _CLASSES[(base, kind)] = _Compact
+    return _Compact
+
+
+def _scalar(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+def _impl(group: Mapping[str, Any], params: list[torch.Tensor]) -> Impl:
+    """torch's choice for the group: ``fused`` / ``foreach`` as set, else foreach on CUDA."""
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:
+        foreach = all(p.is_cuda for p in params)
+    return "foreach" if foreach else "single"
+
+
+def _kind(opt: Optimizer, p: torch.Tensor) -> str | None:
+    kind = _KINDS[type(opt)]
+    return kind if stores_compact(p.numel(), p.dtype) and p.dtype == torch.float32 else None
+
+
+def _state_of(opt: Optimizer, p: torch.Tensor, group: Mapping[str, Any]) -> AdamState:
+    """``p``'s state as an ``AdamState`` over the same objects (created on the first step)."""
+    st = opt.state[p]
+    amsgrad = bool(group["amsgrad"])
+    if not st:
+        fresh = AdamState.zeros(p, _kind(opt, p), amsgrad=amsgrad, fused=bool(group.get("fused")))
+        st["step"] = fresh.step
+        for name, m in fresh.moments():
+            st[name] = m
+    return AdamState(st["step"], st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+
+
+def _quantize_loaded(opt: Optimizer) -> None:
+    """After ``load_state_dict``: the fp32 moments of compact params become compact again
+    (exact for moments that were compact when saved: [Note: Compact state under ZeRO-1])."""
+    global _logged_quantized
+    n = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            kind = _kind(opt, p)
+            if not st or kind is None:
+                continue
+            first, second = moment_formats(kind)
+            for name, fmt in (
+                ("exp_avg", first),
+                ("exp_avg_sq", second),
+                ("max_exp_avg_sq", second),
+            ):
+                value = st.get(name)
+                if isinstance(value, torch.Tensor):
+                    st[name] = CompactTensor.from_tensor(value.to(p.device, torch.float32), fmt)
+                    n += 1
+    if n and not _logged_quantized:
+        _logged_quantized = True
+        logger.info(
+            "load_state_dict: %d full-precision moment(s) quantized into compact state "
+            "(exact for a state that was compact when saved; logged once)",
+            n,
+        )
+
+
+def plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """One param's state with its compact moments dequantized to fp32 tensors (new ones);
+    other values as they are. See [Note: Compact state under ZeRO-1]."""
+    return {k: v.dequantize() if isinstance(v, CompactTensor) else v for k, v in state.items()}
