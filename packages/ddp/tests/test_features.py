@@ -87,6 +87,21 @@ def test_clip_grad_norm_matches_torch() -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def _masters_step(
+    ref: nn.Module, masters: list[torch.Tensor], ref_opt: torch.optim.Optimizer, step: int
+) -> None:
+    """The reference's step: DDP on the bf16 model, its averaged grads upcast into the fp32
+    copies, the plain optimizer on the copies, the copies cast back into the model."""
+    ref.zero_grad()
+    _loss(ref, step, dtype=torch.bfloat16).backward()
+    for mp, p in zip(masters, ref.parameters(), strict=True):
+        mp.grad = p.grad.float()
+    ref_opt.step()
+    with torch.no_grad():
+        for mp, p in zip(masters, ref.parameters(), strict=True):
+            p.copy_(mp)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 @world(2)
 def test_bf16_with_fp32_masters_matches_reference(name: str) -> None:
@@ -104,14 +119,7 @@ def test_bf16_with_fp32_masters_matches_reference(name: str) -> None:
     opt = ShardedOptimizer(m.parameters(), optim=cls, master_dtype=torch.float32, **kw)
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=64)
     for step in range(4):
-        ref_m.zero_grad()
-        _loss(ref, step, dtype=torch.bfloat16).backward()
-        for mp, p in zip(masters, ref_m.parameters(), strict=True):
-            mp.grad = p.grad.float()
-        ref_opt.step()
-        with torch.no_grad():
-            for mp, p in zip(masters, ref_m.parameters(), strict=True):
-                p.copy_(mp)
+        _masters_step(ref, masters, ref_opt, step)
         opt.zero_grad()
         _loss(sdp, step, dtype=torch.bfloat16).backward()
         opt.step()
@@ -148,14 +156,7 @@ def test_weights_written_after_the_wrapper_was_built_are_stepped_from() -> None:
         lambda model: next(model.parameters()).mul_(0.5),  # in place, right after the step
     ]
     for step in range(4):
-        ref_m.zero_grad()
-        _loss(ref, step, dtype=torch.bfloat16).backward()
-        for mp, p in zip(masters, ref_m.parameters(), strict=True):
-            mp.grad = p.grad.float()
-        ref_opt.step()
-        with torch.no_grad():
-            for mp, p in zip(masters, ref_m.parameters(), strict=True):
-                p.copy_(mp)
+        _masters_step(ref, masters, ref_opt, step)
         opt.zero_grad()
         _loss(sdp, step, dtype=torch.bfloat16).backward()
         opt.step()

@@ -128,8 +128,6 @@ def _consolidate(
     rank: int,
     recipient: int,
     skipped: set[int],
-    *,
-    error: Exception | None = None,
 ) -> dict[int, dict[str, Any]] | None:
     """Collective. Returns the full ``{global index: state}`` on recipients, ``None`` elsewhere.
 
@@ -143,24 +141,13 @@ def _consolidate(
         skipped: global indices (owned by this rank) whose tensors are not moved; the recipient
             gets ``meta`` tensors of the right shape and dtype in their place (or, when it owns
             them itself, a copy).
-        error: this rank's argument error, if any: raised here, and every other rank raises too
-            (instead of waiting for this rank's tensors).
     """
     world = dist.get_world_size(group)
     tensors, values = _describe(local, skipped)
     order = {idx: list(entry) for idx, entry in local.items()}
     # See [Note: Object collectives without NumPy].
-    gathered = all_gather_objects(
-        (recipient, tensors, values, None if error is None else str(error), order), group
-    )
-    if error is not None:
-        raise error
-    bad = [(r, g[3]) for r, g in enumerate(gathered) if g[3] is not None]
-    if bad:
-        raise ValueError(
-            f"consolidate_state_dict: rank(s) {[r for r, _ in bad]} of the optimizer's group "
-            f"passed invalid arguments ({bad[0][1]}); fix the call on those ranks."
-        )
+    # (The arguments were checked on every rank before: ShardedOptimizer.consolidate_state_dict.)
+    gathered = all_gather_objects((recipient, tensors, values, order), group)
     recipients = [g[0] for g in gathered]
     if any(r != recipients[0] for r in recipients):
         raise ValueError(
@@ -190,7 +177,7 @@ def _consolidate(
                 off += n
 
     for src in range(world):
-        _, src_tensors, src_values, _, _ = gathered[src]
+        _, src_tensors, src_values, _ = gathered[src]
         src_global = global_rank(group, src)
         if out is not None:
             for idx, vals in src_values.items():
@@ -264,6 +251,6 @@ def _consolidate(
     if out is not None:
         # Restore each entry's key order (tensors and plain values were sent apart).
         for g in gathered:
-            for idx, keys in g[4].items():
+            for idx, keys in g[3].items():
                 out[idx] = {k: out[idx][k] for k in keys}
     return out

@@ -32,6 +32,7 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._state import _hyperparams as hyperparams
+from shardkit.optim._state import numbered_groups
 from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
@@ -52,15 +53,6 @@ def _index(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
     for g in param_groups:
         for p in g["params"]:
             out[id(p)] = len(out)
-    return out
-
-
-def _groups_with_indices(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    out, j = [], 0
-    for g in param_groups:
-        n = len(g["params"])
-        out.append({**copy.deepcopy(hyperparams(g)), "params": list(range(j, j + n))})
-        j += n
     return out
 
 
@@ -174,7 +166,7 @@ def gather_full_state_dict(
         masters = {**{gi: m.clone() for gi, m in parked.masters.items()}, **masters}
     out: dict[str, Any] = {
         "state": dict(sorted(state.items())),
-        "param_groups": _groups_with_indices(param_groups),
+        "param_groups": numbered_groups(param_groups),
     }
     if stepper.master_dtype is not None:
         out[MASTER_KEY] = dict(sorted(masters.items()))

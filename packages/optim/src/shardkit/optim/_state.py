@@ -5,6 +5,7 @@ See [Note: Global parameter index].
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, cast
@@ -13,11 +14,22 @@ import torch
 from shardkit.optim._driver import ShardLayout
 from torch.optim import Optimizer
 
-__all__ = ["GroupView", "share_hyperparams"]
+__all__ = ["GroupView", "numbered_groups", "share_hyperparams"]
 
 
 def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def numbered_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` as a plain state dict's: deep-copied hyper-parameters (nothing may alias
+    them), params numbered by global index (see [Note: Global parameter index])."""
+    out, j = [], 0
+    for g in groups:
+        n = len(g["params"])
+        out.append({**copy.deepcopy(_hyperparams(g)), "params": list(range(j, j + n))})
+        j += n
+    return out
 
 
 def _local_groups(layout: ShardLayout, rank: int, n_groups: int) -> list[list[torch.Tensor]]:

@@ -11,9 +11,8 @@ instead once one is attached.
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +41,7 @@ from shardkit.optim._state import (
     _local_load_dict,
     _owned_state,
     _validate_plain_state_dict,
+    numbered_groups,
     share_hyperparams,
 )
 from shardkit.optim._sync import _ParamSync
@@ -95,6 +95,8 @@ class LocalShards(ShardOwner):
         self.rank = dist.get_rank(group)
         self.timeout = timeout
         local = _local_groups(layout, self.rank, len(param_groups))
+        self.owned_groups = local
+        """The owned params of each group (one list per group, maybe empty)."""
         self.slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
         """``id(param) -> index of its group`` for the owned params."""
         self.masters: _Masters | None = None
@@ -119,9 +121,7 @@ class LocalShards(ShardOwner):
             if st:
                 entries[j] = st
         if entries:
-            self.optim.load_state_dict(
-                {"state": entries, "param_groups": _numbered(groups, copied=False)}
-            )
+            self.optim.load_state_dict({"state": entries, "param_groups": numbered_groups(groups)})
         share_hyperparams(param_groups, self.optim)  # [Note: One owner of hyper-parameters]
         self.sync = _ParamSync(layout, group, self.rank, broadcast_fp16)
 
@@ -151,8 +151,7 @@ class LocalShards(ShardOwner):
         took them over: see [Note: Step drivers])."""
         self.sync.drop()
         if self.masters is not None:  # the wrapped optimizer held the masters: unhook
-            local = _local_groups(self.layout, self.rank, len(self.param_groups))
-            for lg, ps in zip(self.optim.param_groups, local, strict=True):
+            for lg, ps in zip(self.optim.param_groups, self.owned_groups, strict=True):
                 lg["params"] = list(ps)
             self.masters = None
         self.optim.state.clear()
@@ -222,12 +221,7 @@ class LocalShards(ShardOwner):
             with torch.enable_grad():
                 loss = closure()
         wanted = None if params is None else {id(p) for p in params}
-        owned = [
-            p
-            for ps in _local_groups(self.layout, self.rank, len(self.param_groups))
-            for p in ps
-            if wanted is None or id(p) in wanted
-        ]
+        owned = [p for ps in self.owned_groups for p in ps if wanted is None or id(p) in wanted]
         # See [Note: Params written outside the optimizer].
         log_reseeded(masters.reseed_written(owned))
         for chunk in masters.chunks(owned):
@@ -320,7 +314,7 @@ class LocalShards(ShardOwner):
         if full is None:
             return None
         state, masters = split_wire(full)
-        sd: dict[str, Any] = {"state": state, "param_groups": _numbered(self.param_groups)}
+        sd: dict[str, Any] = {"state": state, "param_groups": numbered_groups(self.param_groups)}
         if self.masters is not None:
             sd[MASTER_KEY] = masters
         return sd
@@ -329,7 +323,7 @@ class LocalShards(ShardOwner):
         """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}``
         (live), with ``"master_params"`` when there are masters. Local."""
         state, masters = split_wire(self.owned_entries())
-        out: dict[str, Any] = {"state": state, "param_groups": _numbered(self.param_groups)}
+        out: dict[str, Any] = {"state": state, "param_groups": numbered_groups(self.param_groups)}
         if self.masters is not None:
             out[MASTER_KEY] = masters
         return out
@@ -426,16 +420,3 @@ class LocalShards(ShardOwner):
                 f"own state_dict() otherwise)"
             )
         return self.masters
-
-
-def _numbered(groups: Sequence[Mapping[str, Any]], copied: bool = True) -> list[dict[str, Any]]:
-    """``groups`` with their params numbered by global index (a plain state dict's groups);
-    the hyper-parameters deep-copied unless ``copied`` is false (nothing may alias them)."""
-    out = []
-    j = 0
-    for g in groups:
-        n = len(g["params"])
-        hp = _hyperparams(g)
-        out.append({**(copy.deepcopy(hp) if copied else hp), "params": list(range(j, j + n))})
-        j += n
-    return out
