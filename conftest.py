@@ -121,7 +121,8 @@ os.environ["PYTHONWARNINGS"] = ",".join(
 #   with the working directory a fresh temporary directory per file;
 # * ``<!-- run: torchrun --nproc-per-node 2 -->``: the block is a complete script, written to
 #   ``example.py`` and launched with ``torchrun --standalone --nproc-per-node 2`` (Gloo on the
-#   CPU), as the docs tell the reader to; it must exit 0;
+#   CPU), as the docs tell the reader to; it must exit 0, with no Gloo thread left at exit
+#   ([Note: Gloo threads at exit]);
 # * ``<!-- run: pytest -->``: the block is a test module, run by pytest in a subprocess (the
 #   shardkit.testing plugin included); it must pass;
 # * ``<!-- skip: next "reason" -->`` (sybil's own): not run; the reason is mandatory and shows
@@ -164,10 +165,47 @@ def _launch(cmd: list[str], cwd: Path, what: str) -> str | None:
     )
 
 
-def _torchrun(nproc: int) -> Any:
+# [Note: Gloo threads at exit]
+# torch 2.13's Gloo runloop threads take the GIL to release a finished work whose tensors have
+# Python objects (intrusive_ptr's refcount 2 -> 1 calls ``decref_pyobject``). A process group
+# still referenced when the interpreter exits (a DDP wrapper, an optimizer holding ``group``
+# in a module global) is destroyed during finalization: a runloop thread that then asks for the
+# GIL is ended by Python (``PyThread_exit_thread``) inside a noexcept destructor, and the rank
+# aborts with "terminate called without an active exception" (seen about once in 20 runs of a
+# docs example on a 2-core VM; gdb backtrace in the optim README's Limits).
+# ``dist.destroy_process_group()`` alone does not stop the threads while Python objects still
+# hold the group; dropping them (``del ddp, opt``) does, with the GIL released. So every
+# torchrun example ends with its objects dropped, and this epilogue makes that a check: a
+# Gloo runloop thread still alive at exit fails the example (exit status 3) instead of aborting
+# it once in a while. An example whose group no user code can release says so, with the reason:
+# ``<!-- run: torchrun --nproc-per-node 2; gloo-threads-at-exit: "why" -->`` (FSDP2: torch's
+# DTensor caches keep the device mesh, and so its group, until exit).
+_GLOO_EXIT_CHECK = """
+
+def _shardkit_docs_gloo_exit_check() -> None:  # appended by conftest.py: [Note: Gloo threads at exit]
+    import os as _os, sys as _sys
+    tasks = _os.listdir("/proc/self/task") if _os.path.isdir("/proc/self/task") else []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    if any(n.startswith("pt_gloo_runloop") for n in names):
+        print("Gloo runloop threads still alive at exit: drop what holds the process group "
+              "(del ddp, opt, ...) before the interpreter exits", file=_sys.stderr, flush=True)
+        _os._exit(3)
+
+
+__import__("atexit").register(_shardkit_docs_gloo_exit_check)
+"""
+
+
+def _torchrun(nproc: int, exit_check: bool = True) -> Any:
     def evaluate(example: Any) -> str | None:
         script = Path.cwd() / f"example_line{example.line}.py"
-        script.write_text(str(example.parsed))
+        script.write_text(str(example.parsed) + (_GLOO_EXIT_CHECK if exit_check else ""))
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), script.name,
@@ -188,9 +226,11 @@ def _pytest_block(example: Any) -> str | None:
 def _evaluator_for(how: str, where: str) -> Any:
     if how == "pytest":
         return _pytest_block
-    found = re.fullmatch(r"torchrun\s+--nproc[-_]per[-_]node[\s=](\d+)", how)
+    found = re.fullmatch(
+        r'torchrun\s+--nproc[-_]per[-_]node[\s=](\d+)(\s*;\s*gloo-threads-at-exit:\s*"[^"]+")?', how
+    )
     if found:
-        return _torchrun(int(found.group(1)))
+        return _torchrun(int(found.group(1)), exit_check=found.group(2) is None)
     raise ValueError(
         f"{where}: unknown '<!-- run: {how} -->'; expected 'run: torchrun --nproc-per-node N' "
         "or 'run: pytest'"

@@ -470,6 +470,12 @@ class BucketGroup(ShardOwner):
                 "consolidate_state_dict(skip=...) is not supported under ShardedDataParallel: "
                 "every rank holds part of every param's state. Use save_sharded() instead."
             )
+        return self._gather_state(compact=False)
+
+    def _gather_state(self, compact: bool) -> dict[str, Any]:
+        """The full state on every rank (collective); compact moments as fp32, or as they are
+        with ``compact`` (a checkpoint's items: shardkit-optim's [Note: Compact checkpoint
+        items])."""
         agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements]
         self.reducer.finish_all()
         self.wait_params()
@@ -480,6 +486,7 @@ class BucketGroup(ShardOwner):
             self.comm.group,
             parked=self.parked,
             all_gather=self.comm.all_gather_into,
+            compact=compact,
         )
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -490,7 +497,7 @@ class BucketGroup(ShardOwner):
 
     # See [Note: DCP sharded checkpoints] in ``shardkit.optim._shard_state``.
     def checkpoint_state_dict(self) -> dict[str, Any]:
-        return checkpoint_part(self.full_state_dict(), self.comm.rank, self.comm.world)
+        return checkpoint_part(self._gather_state(compact=True), self.comm.rank, self.comm.world)
 
     def checkpoint_indices(self) -> list[int]:
         return list(range(len(self.params())))

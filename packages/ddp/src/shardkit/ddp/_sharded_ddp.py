@@ -244,7 +244,7 @@ class ShardedDataParallel(nn.Module):
             flags = [is_elementwise(type(o.optim), config.elementwise)] * len(o.param_groups)
             mine, group_prints = build_flat_buckets(
                 o.param_groups, flags, self.world_size, config.cap_bytes, config.first_cap_bytes,
-                first_index=first, bucket_type=FlatBucket,
+                first_index=first, bucket_type=FlatBucket, compact_state=o.compact_state,
             )  # fmt: skip
             per_opt.append(mine)
             first += len(mine)

@@ -58,6 +58,8 @@ from shardkit.optim._agreement import (
     outcome,
     register_error_type,
 )
+from shardkit.optim._compact import CompactFormat, CompactTensor
+from shardkit.optim._compact_optim import dequantize_state_dict
 from shardkit.optim._load_checks import Opened, parse_key, request, validate_against
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._records import (
@@ -163,14 +165,43 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# [Note: Compact checkpoint items]
+# Format 3 (``shardkit.optim.sharded/3``) is format 2 plus compact moments stored as they are
+# held (``compact_state``: [Note: Compact state under ZeRO-1]): for a ``CompactTensor`` value of
+# param ``i``'s state key ``k``, the items ``compact/i/k/codes`` (uint8, the param's code bytes
+# on its global flat index) and ``compact/i/k/scales`` (fp32, one per block), beside the JSON
+# record ``value/i/k`` = ``{"compact": {"map": ..., "block": ...}}``. A checkpoint of a compact
+# optimizer is then about a quarter (int8) or an eighth (int4) of format 2's moment bytes, and no
+# rank dequantizes anything to save. Loading reassembles the ``CompactTensor`` (its sizes checked
+# against the param: a mismatch is a crafted checkpoint) and hands it to ``load_state_dict``:
+# a compact optimizer of the same kind keeps the bits (any world size: blocks live on the global
+# index, a ZeRO-2 piece is a byte range of them), another kind re-quantizes from the values, and
+# a plain optimizer (or ``load_consolidated``, whose dict is for plain torch) gets fp32 moments.
+# Formats 1 and 2 still load; a compact optimizer quantizes their fp32 moments once.
+_COMPACT_PREFIX = "compact/"
+
+
+def _compact_items(idx: int, name: str, value: CompactTensor) -> dict[str, torch.Tensor]:
+    """The items of one compact moment: see [Note: Compact checkpoint items]."""
+    where = f"optimizer state of param {idx}, key {name!r}"
+    record = {"compact": {"map": value.fmt.map_name, "block": value.fmt.block}}
+    return {
+        f"{_COMPACT_PREFIX}{idx}/{name}/codes": _own_storage(value.codes),
+        f"{_COMPACT_PREFIX}{idx}/{name}/scales": _own_storage(value.scales),
+        f"{VALUE_PREFIX}{idx}/{name}": encode_value(record, where),
+    }
+
+
 def _local_items(local: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """This rank's DCP items (state tensors, value records, masters). Raises TypeError for a
-    state value that is neither a tensor nor JSON-like."""
+    """This rank's DCP items (state tensors, compact moments, value records, masters). Raises
+    TypeError for a state value that is neither a tensor nor JSON-like."""
     sd: dict[str, torch.Tensor] = {}
     for idx, entry in local["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
                 sd[f"state/{idx}/{name}"] = _own_storage(value)
+            elif isinstance(value, CompactTensor):
+                sd.update(_compact_items(idx, name, value))
             else:
                 where = f"optimizer state of param {idx}, key {name!r}"
                 sd[f"{VALUE_PREFIX}{idx}/{name}"] = encode_value(value, where)
@@ -184,8 +215,9 @@ def save_sharded(optimizer: ShardedCheckpointable, path: str | os.PathLike[str])
 
     The new checkpoint replaces the one at ``path`` atomically (see [Note: Atomic commit]):
     a crash at any point leaves the old or the new checkpoint loadable there. It is written in
-    format ``shardkit.optim.sharded/2``: tensors and JSON records only, nothing pickled of
-    shardkit's own (see ``docs/security.md``), through :func:`shardkit.checkpoint.save` (the
+    format ``shardkit.optim.sharded/3``: tensors and JSON records only, nothing pickled of
+    shardkit's own (see ``docs/security.md``), compact moments as their codes and scales
+    ([Note: Compact checkpoint items]), through :func:`shardkit.checkpoint.save` (the
     CRC-32 of every stored chunk in the commit record).
 
     Args:
@@ -351,7 +383,8 @@ def _verify_and_assemble(opened: Opened, loaded: dict[str, Any]) -> dict[str, An
     rest = {k: v for k, v in loaded.items() if k != HEADER_KEY}
     _verify_items(rest, sums, where, strict=True)
     groups = lambda: decode_groups(loaded[GROUPS_KEY], header["num_params"])  # noqa: E731
-    return _plain(rest, groups, decode=True)
+    shapes = [tuple(s) for s in header["param_shapes"]]
+    return _plain(rest, groups, decode=True, shapes=shapes)
 
 
 def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
@@ -365,16 +398,27 @@ def _assemble_legacy(loaded: dict[str, Any]) -> dict[str, Any]:
     return _plain(loaded, groups, decode=False)
 
 
-def _plain(items: dict[str, Any], groups: Callable[[], Any], *, decode: bool) -> dict[str, Any]:
+def _plain(
+    items: dict[str, Any],
+    groups: Callable[[], Any],
+    *,
+    decode: bool,
+    shapes: list[tuple[int, ...]] | None = None,
+) -> dict[str, Any]:
     """The plain state dict of the loaded items (``state``, ``param_groups``, the masters).
 
     Args:
         items: the loaded items; those that are not per-param (see ``parse_key``) are ignored.
         groups: makes ``param_groups`` (called after every per-param item is decoded).
         decode: decode the ``value/`` items (format 2's JSON records); format 1 holds values.
+        shapes: the params' shapes (the header's), for compact moments (format 3).
+
+    Raises:
+        UnsafeCheckpointError: compact items that do not make a compact moment of their param.
     """
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in items.items():
         parsed = parse_key(key)
         if parsed is None:
@@ -382,14 +426,50 @@ def _plain(items: dict[str, Any], groups: Callable[[], Any], *, decode: bool) ->
         kind, idx, name = parsed
         if kind == "master":
             masters[idx] = value
+        elif kind == "compact":
+            moment, _, part = name.rpartition("/")
+            parts.setdefault((idx, moment), {})[part] = value
         else:
             state.setdefault(idx, {})[name] = (
                 decode_value(value, key) if decode and kind == "value" else value
             )
+    for (idx, moment), got in parts.items():
+        state[idx][moment] = _compact_moment(idx, moment, got, state, shapes)
     out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups()}
     if masters:
         out[MASTER_KEY] = dict(sorted(masters.items()))
     return out
+
+
+def _compact_moment(
+    idx: int,
+    moment: str,
+    got: dict[str, torch.Tensor],
+    state: dict[int, dict[str, Any]],
+    shapes: list[tuple[int, ...]] | None,
+) -> CompactTensor:
+    """One compact moment from its items; see [Note: Compact checkpoint items]."""
+    where = f"compact optimizer state of param {idx}, key {moment!r}"
+    record = state.get(idx, {}).get(moment)
+    spec = record.get("compact") if isinstance(record, dict) else None
+    if (
+        shapes is None
+        or idx >= len(shapes)
+        or set(got) != {"codes", "scales"}
+        or not isinstance(spec, dict)
+        or set(spec) != {"map", "block"}
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: its items ({sorted(got)}) and record ({describe(record)}) do not make a "
+            f"compact moment; the checkpoint is damaged or crafted"
+        )
+    try:
+        fmt = CompactFormat(spec["map"], spec["block"])
+        return CompactTensor(got["codes"], got["scales"], shapes[idx], fmt)
+    except (TypeError, ValueError) as e:
+        raise UnsafeCheckpointError(
+            f"{where}: {e}; the checkpoint is damaged or crafted"
+        ) from None
 
 
 def _reader(opened: Opened, allow_pickle: bool) -> SafeFileSystemReader:
@@ -559,4 +639,5 @@ def load_consolidated(
     opened = _open(Path(path), allow_pickle, allow_missing_commit_record)
     validate_against(opened, None)
     req = request(opened, None)
-    return _read_verified(opened, req, f"load_consolidated({path})", allow_pickle, None)
+    loaded = _read_verified(opened, req, f"load_consolidated({path})", allow_pickle, None)
+    return dequantize_state_dict(loaded)  # plain torch: [Note: Compact checkpoint items]

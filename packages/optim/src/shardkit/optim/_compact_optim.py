@@ -34,7 +34,16 @@ from shardkit.optim._compact import CompactTensor, moment_formats, stores_compac
 from shardkit.optim._compact_step import AdamState, Impl, StepScratch, compact_adam_step
 from torch.optim import Optimizer
 
-__all__ = ["COMPACT_KINDS", "check_compact", "compact_class", "plain_state"]
+__all__ = [
+    "COMPACT_KINDS",
+    "check_compact",
+    "compact_class",
+    "dequantize_state_dict",
+    "is_compact_class",
+    "plain_state",
+    "quantize_state",
+    "set_global_numels",
+]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_quantized = False
@@ -91,7 +100,10 @@ def compact_class(base: type[Optimizer], kind: str) -> type[Optimizer]:
                         f"differentiable=True (the compact step is eager)"
                     )
             self.scratch: dict[torch.device, StepScratch] = {}
-            self.register_load_state_dict_post_hook(_quantize_loaded)
+            self.global_numel: dict[int, int] = {}
+            """``id(tensor) -> numel`` of the whole param a stepped piece belongs to (see
+            :func:`set_global_numels`); a tensor not in it is a whole param."""
+            self.register_load_state_dict_post_hook(quantize_state)
 
         @torch.no_grad()
         def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -130,6 +142,20 @@ def compact_class(base: type[Optimizer], kind: str) -> type[Optimizer]:
     return _Compact
 
 
+def is_compact_class(cls: type[Optimizer]) -> bool:
+    """Whether ``cls`` is a class :func:`compact_class` made."""
+    return cls in _KINDS
+
+
+def set_global_numels(opt: Optimizer, numels: Mapping[torch.Tensor, int]) -> None:
+    """Tells a compact optimizer the whole-param size of each tensor it steps that is a piece
+    of a param (ZeRO-2's fragments): whether a piece's moments are compact is decided on the
+    whole param, so the same at every world size (see [Note: Block-aligned fragment buckets]
+    in ``shardkit.optim._flat``). The tensors must outlive ``opt`` (they are its params)."""
+    if is_compact_class(type(opt)):
+        cast(Any, opt).global_numel.update({id(t): n for t, n in numels.items()})
+
+
 def _scalar(v: Any) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
@@ -146,7 +172,8 @@ def _impl(group: Mapping[str, Any], params: list[torch.Tensor]) -> Impl:
 
 def _kind(opt: Optimizer, p: torch.Tensor) -> str | None:
     kind = _KINDS[type(opt)]
-    return kind if stores_compact(p.numel(), p.dtype) and p.dtype == torch.float32 else None
+    numel = cast(Any, opt).global_numel.get(id(p), p.numel())
+    return kind if stores_compact(numel, p.dtype) and p.dtype == torch.float32 else None
 
 
 def _state_of(opt: Optimizer, p: torch.Tensor, group: Mapping[str, Any]) -> AdamState:
@@ -161,37 +188,89 @@ def _state_of(opt: Optimizer, p: torch.Tensor, group: Mapping[str, Any]) -> Adam
     return AdamState(st["step"], st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))
 
 
-def _quantize_loaded(opt: Optimizer) -> None:
-    """After ``load_state_dict``: the fp32 moments of compact params become compact again
-    (exact for moments that were compact when saved: [Note: Compact state under ZeRO-1])."""
+def quantize_state(opt: Optimizer) -> None:
+    """After a load (``load_state_dict``'s post hook, or a driver that wrote ``opt.state``):
+    the moments of compact params become compact in the optimizer's format, the others fp32.
+
+    fp32 moments of a compact param are quantized (exact for moments that were compact when
+    saved: [Note: Compact state under ZeRO-1]); a ``CompactTensor`` (a format-3 checkpoint,
+    [Note: Compact checkpoint items] in ``shardkit.optim._checkpoint``) is kept when its format
+    is the param's, re-quantized from its values when it is another kind's, and dequantized for
+    a param that keeps fp32 state. No-op for other optimizers.
+
+    Raises:
+        ValueError: a ``CompactTensor`` with another number of elements than its param.
+    """
+    if not is_compact_class(type(opt)):
+        return
     global _logged_quantized
     n = 0
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state.get(p)
-            kind = _kind(opt, p)
-            if not st or kind is None:
+            if not st:
                 continue
-            first, second = moment_formats(kind)
-            for name, fmt in (
-                ("exp_avg", first),
-                ("exp_avg_sq", second),
-                ("max_exp_avg_sq", second),
-            ):
+            kind = _kind(opt, p)
+            formats = moment_formats(kind) if kind is not None else None
+            for name, which in (("exp_avg", 0), ("exp_avg_sq", 1), ("max_exp_avg_sq", 1)):
                 value = st.get(name)
-                if isinstance(value, torch.Tensor):
+                fmt = formats[which] if formats is not None else None
+                if isinstance(value, CompactTensor):
+                    if value.numel != p.numel():
+                        raise ValueError(
+                            f"load_state_dict: compact {name!r} holds {value.numel} elements "
+                            f"but its param has {p.numel()}: the state was saved for another "
+                            f"model"
+                        )
+                    if fmt is None:
+                        st[name] = value.dequantize().to(p.device).view(p.shape)
+                    elif value.fmt == fmt:
+                        st[name] = _on(value, p.device)
+                    else:
+                        st[name] = CompactTensor.from_tensor(
+                            value.dequantize().to(p.device).view(p.shape), fmt
+                        )
+                        n += 1
+                elif isinstance(value, torch.Tensor) and fmt is not None:
                     st[name] = CompactTensor.from_tensor(value.to(p.device, torch.float32), fmt)
                     n += 1
     if n and not _logged_quantized:
         _logged_quantized = True
         logger.info(
-            "load_state_dict: %d full-precision moment(s) quantized into compact state "
-            "(exact for a state that was compact when saved; logged once)",
+            "load_state_dict: %d moment(s) quantized into this optimizer's compact format "
+            "(exact for a state that was compact in the same format when saved; logged once)",
             n,
         )
 
 
+def _on(value: CompactTensor, device: torch.device) -> CompactTensor:
+    if value.device == device:
+        return value
+    return CompactTensor(value.codes.to(device), value.scales.to(device), value.shape, value.fmt)
+
+
+def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (a plain torch optimizer dict) with every ``CompactTensor`` in its
+    ``"state"`` dequantized to an fp32 tensor: what a plain optimizer, or one without
+    ``compact_state``, loads. The same dict when it holds none (no copy)."""
+    state = state_dict.get("state")
+    if not isinstance(state, Mapping) or not any(
+        isinstance(v, CompactTensor)
+        for entry in state.values()
+        if isinstance(entry, Mapping)
+        for v in entry.values()
+    ):
+        return dict(state_dict)
+    out = dict(state_dict)
+    out["state"] = {
+        i: plain_state(entry) if isinstance(entry, Mapping) else entry
+        for i, entry in state.items()
+    }
+    return out
+
+
 def plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """One param's state with its compact moments dequantized to fp32 tensors (new ones);
-    other values as they are. See [Note: Compact state under ZeRO-1]."""
+    """One param's state with its compact moments dequantized to fp32 tensors (new ones, of
+    the shape each stands for); other values as they are. See [Note: Compact state under
+    ZeRO-1]."""
     return {k: v.dequantize() if isinstance(v, CompactTensor) else v for k, v in state.items()}

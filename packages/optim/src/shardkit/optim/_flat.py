@@ -41,10 +41,18 @@ from typing import Any, TypeVar
 
 import torch
 from shardkit.buckets import plan_buckets
+from shardkit.optim._compact import moment_formats, stores_compact
+from shardkit.optim._compact_optim import is_compact_class
 from shardkit.partition import partition
 from torch.optim import Optimizer
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatBucket", "build_flat_buckets", "is_elementwise"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "FlatBucket",
+    "build_flat_buckets",
+    "compact_block",
+    "is_elementwise",
+]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -79,7 +87,8 @@ def is_elementwise(optim_cls: type[Optimizer], override: bool | None = None) -> 
     """
     if override is not None:
         return override
-    return optim_cls in ELEMENTWISE_OPTIMIZERS
+    # compact_state's Adam / AdamW (see [Note: Compact state under ZeRO-1]) are element-wise too
+    return optim_cls in ELEMENTWISE_OPTIMIZERS or is_compact_class(optim_cls)
 
 
 @dataclass(eq=False)
@@ -207,6 +216,7 @@ def build_flat_buckets(
     *,
     first_index: int = 0,
     bucket_type: type[B] = FlatBucket,  # type: ignore[assignment]
+    compact_state: str | None = None,
 ) -> tuple[list[B], list[str]]:
     """Plans the buckets of every param group and re-points the params into their buffers.
 
@@ -221,6 +231,8 @@ def build_flat_buckets(
         first_index: Index of the first bucket built.
         bucket_type: :class:`FlatBucket` or a dataclass subclass of it with defaults for its
             extra fields.
+        compact_state: The optimizer's ``compact_state`` (``"int8"`` / ``"int4"``): fragment
+            buckets are then laid out block-aligned ([Note: Block-aligned fragment buckets]).
 
     Returns:
         The buckets (in launch order: by group, then plan order) and one fingerprint string
@@ -239,13 +251,16 @@ def build_flat_buckets(
             first_cap_bytes,
             pad_to_multiple=world if elementwise[gi] else 1,
         )
-        prints.append(plan.fingerprint())
+        block = compact_block(compact_state) if elementwise[gi] else 0
+        prints.append(plan.fingerprint() + (f";compact={compact_state}/{block}" if block else ""))
         for spec in plan.buckets:
             ps = [params[i] for i in spec.indices]
             if elementwise[gi]:
                 offsets = list(spec.offsets)
                 owners = [-1] * len(ps)
                 shard = spec.padded_numel // world
+                if block and any(stores_compact(p.numel(), p.dtype) for p in ps):
+                    offsets, shard = _aligned_layout(ps, world, block)
             else:
                 offsets, owners, shard = _whole_param_layout(ps, world)
             flat = torch.zeros(shard * world, dtype=spec.dtype, device=spec.device)
@@ -268,6 +283,39 @@ def build_flat_buckets(
                 )
             )
     return buckets, prints
+
+
+def compact_block(compact_state: str | None) -> int:
+    """The alignment of ``compact_state``'s fragment buckets: its largest block (0 for
+    ``None``). See [Note: Block-aligned fragment buckets]."""
+    if compact_state is None:
+        return 0
+    return max(fmt.block for fmt in moment_formats(compact_state))
+
+
+def _aligned_layout(params: list[torch.Tensor], world: int, block: int) -> tuple[list[int], int]:
+    """Offsets and shard size of a block-aligned fragment bucket.
+
+    [Note: Block-aligned fragment buckets]
+    Compact moments are quantized in blocks of a param's *global* flat index (see [Note:
+    Blocks on the global flat index] in ``shardkit.optim._compact``), so a rank's piece of a
+    compact param must hold whole blocks. With ``compact_state``, every param that may store
+    compact state (``stores_compact`` of its whole size and dtype, decided as the optimizer
+    decides it) starts at a multiple of ``block`` in the bucket, and the shard size ``S`` is a
+    multiple of ``block``: every cut ``r * S`` then falls on a block boundary of every param it
+    cuts, and each piece's blocks are the param's own. The padding (under ``block`` elements
+    before each compact param, under ``N * block`` at the end) is never stepped, and its
+    gradient is kept at zero like any padding. Buckets without such params keep the packed
+    layout. The bits of the state are then the same at every world size.
+    """
+    offsets: list[int] = []
+    pos = 0
+    for p in params:
+        if stores_compact(p.numel(), p.dtype):
+            pos = -(-pos // block) * block
+        offsets.append(pos)
+        pos += p.numel()
+    return offsets, -(-pos // (world * block)) * block
 
 
 def _whole_param_layout(params: list[torch.Tensor], world: int) -> tuple[list[int], list[int], int]:

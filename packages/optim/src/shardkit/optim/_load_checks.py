@@ -10,7 +10,9 @@ raises the same error on every rank instead of only on the owner of the mismatch
 - the number of params and every param's shape exactly (including size-1 dims), from the
   commit record;
 - every item is one the format writes (``state/i/k``, ``value/i/k``, ``master/i``, the two
-  records), for a param ``i`` that exists; format 2 holds tensors only;
+  records, and in format 3 ``compact/i/k/codes`` / ``compact/i/k/scales``: 1-D uint8 / fp32,
+  never more elements than the param), for a param ``i`` that exists; formats 2 and 3 hold
+  tensors only;
 - every master has its param's shape; a state tensor has its param's shape, or is a scalar
   (``()``: Adam's ``step``, also beside a param of shape ``(1,)`` or ``()``), or has fewer
   elements than its param (factored states); a state tensor with as many elements as its
@@ -59,7 +61,8 @@ class Opened:
     record: dict[str, Any] | None
     """The commit record validated as an optimizer header; None when missing and opted out of."""
     format: str
-    """``FORMAT`` or ``LEGACY_FORMAT``."""
+    """``FORMAT``, ``FORMAT_2`` or ``LEGACY_FORMAT`` (the commit record's; ``FORMAT`` when a
+    header record stands in for a missing one)."""
 
     @property
     def version(self) -> Path:
@@ -67,14 +70,24 @@ class Opened:
         return self.checkpoint.version
 
 
+COMPACT_PARTS = {"codes": torch.uint8, "scales": torch.float32}
+"""The items of a compact moment (``compact/<i>/<key>/<part>``) and their dtypes."""
+
+
 def parse_key(key: str) -> tuple[str, int, str] | None:
-    """``(kind, global index, state key)`` of a per-param key (kind: state, value or master)."""
+    """``(kind, global index, state key)`` of a per-param key (kind: state, value, master or
+    compact; a compact item's state key is ``<key>/<part>``, see [Note: Compact checkpoint
+    items] in ``shardkit.optim._checkpoint``)."""
     kind, sep, rest = key.partition("/")
-    if not sep or kind not in ("state", "value", "master"):
+    if not sep or kind not in ("state", "value", "master", "compact"):
         return None
     idx, _, name = rest.partition("/")
     if not (idx.isascii() and idx.isdigit()) or len(idx) > 12 or (kind == "master") == bool(name):
         return None
+    if kind == "compact":
+        moment, _, part = name.rpartition("/")
+        if not moment or part not in COMPACT_PARTS:
+            return None
     return kind, int(idx), name
 
 
@@ -125,7 +138,7 @@ def _check_item(key: str, md: Any, shapes: list[tuple[int, ...]] | None, fmt: st
     parsed = parse_key(key)
     if parsed is None:
         raise _refuse(key, f"is not an item of format {fmt}; the checkpoint is damaged or crafted")
-    kind, idx, _ = parsed
+    kind, idx, name = parsed
     if shapes is not None and idx >= len(shapes):
         raise _refuse(
             key,
@@ -140,6 +153,19 @@ def _check_item(key: str, md: Any, shapes: list[tuple[int, ...]] | None, fmt: st
         if fmt == LEGACY_FORMAT:
             raise _refuse(key, f"is not an item of format {fmt}")
         _check_record(key, md, _MAX_VALUE_BYTES)
+        return
+    if kind == "compact":
+        if fmt != FORMAT:
+            raise _refuse(key, f"is not an item of format {fmt}")
+        dtype = COMPACT_PARTS[name.rpartition("/")[2]]
+        if md.properties.dtype != dtype or len(md.size) != 1:
+            raise _refuse(key, f"is not a 1-D {dtype} tensor; the checkpoint is damaged or crafted")
+        if shapes is not None and md.size[0] > max(math.prod(shapes[idx]), 1):
+            raise _refuse(
+                key,
+                f"declares {md.size[0]} elements for param {idx} of shape {shapes[idx]}: compact "
+                f"state is never larger than its param; refused before allocating",
+            )
         return
     if shapes is None:
         return
@@ -177,7 +203,7 @@ def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
         shapes = [tuple(s) for s in opened.record["param_shapes"]]
     else:
         shapes = None
-    records = (HEADER_KEY, GROUPS_KEY) if opened.format == FORMAT else _LEGACY_RECORDS
+    records = (HEADER_KEY, GROUPS_KEY) if opened.format != LEGACY_FORMAT else _LEGACY_RECORDS
     for key in records:
         if key not in items:
             raise _refuse(key, "is missing; the checkpoint is damaged")
@@ -187,7 +213,7 @@ def validate_against(opened: Opened, params: list[torch.Tensor] | None) -> None:
             if info.length > _MAX_BYTES_ITEM:
                 raise _refuse(key, f"is a non-tensor item of {info.length} bytes")
         if key in records:
-            if opened.format == FORMAT:
+            if opened.format != LEGACY_FORMAT:
                 _check_record(key, md, _record_cap(len(items)))
             elif not isinstance(md, BytesStorageMetadata):
                 raise _refuse(key, "is not a pickled record")

@@ -29,7 +29,9 @@ from shardkit.checkpoint import UnsafeCheckpointError, describe, from_record, to
 
 __all__: list[str] = []
 
-FORMAT = "shardkit.optim.sharded/2"
+FORMAT = "shardkit.optim.sharded/3"
+FORMAT_2 = "shardkit.optim.sharded/2"
+"""Format 2: format 3 without compact items ([Note: Compact checkpoint items]); still loads."""
 LEGACY_FORMAT = "shardkit.optim.sharded/1"
 HEADER_KEY = "shardkit/header"
 GROUPS_KEY = "shardkit/param_groups"
@@ -97,7 +99,7 @@ def validate_header(h: Any, what: str, legacy_ok: bool = False) -> dict[str, Any
             range.
     """
     _check(type(h) is dict, "(record)", h, "a JSON object", what)
-    formats = (FORMAT, LEGACY_FORMAT) if legacy_ok else (FORMAT,)
+    formats = (FORMAT, FORMAT_2, LEGACY_FORMAT) if legacy_ok else (FORMAT, FORMAT_2)
     fmt = h.get("format")
     _check(fmt in formats, "format", fmt, " or ".join(formats), what)
     n = h.get("num_params")

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardkit.optim._compact import CompactFormat, CompactTensor
+from shardkit.optim._compact_optim import plain_state, quantize_state
 from shardkit.optim._dist import AllGather
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master import MASTER_KEY
@@ -63,7 +65,16 @@ class _PerElement:
     dtype: str
 
 
+@dataclass(frozen=True)
+class _Compact:
+    """Marks a compact moment of a fragment piece (its format), in the gathered meta."""
+
+    fmt: CompactFormat
+
+
 def _fragment_meta(v: Any) -> Any:
+    if isinstance(v, CompactTensor):
+        return _Compact(v.fmt)
     if isinstance(v, torch.Tensor) and v.dim() > 0:
         return _PerElement(str(v.dtype).removeprefix("torch."))
     return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
@@ -101,10 +112,14 @@ def gather_full_state_dict(
     *,
     parked: ParkedState | None = None,
     all_gather: AllGather | None = None,
+    compact: bool = False,
 ) -> dict[str, Any]:
     """The plain-torch optimizer state dict, on every rank. Collective over ``group``.
 
-    See [Note: Optimizer state format].
+    See [Note: Optimizer state format]. Compact moments (``compact_state``) are dequantized to
+    fp32 tensors, or with ``compact`` gathered as they are (codes and scales) into
+    ``CompactTensor`` values, for a checkpoint ([Note: Compact checkpoint items] in
+    ``shardkit.optim._checkpoint``).
 
     Args:
         stepper: This rank's stepper over ``buckets``.
@@ -113,6 +128,7 @@ def gather_full_state_dict(
         group: The buckets' process group.
         parked: The state of params outside the layout, included whole.
         all_gather: The all-gather to use (see :data:`AllGather`).
+        compact: Keep compact moments compact (see above).
 
     Raises:
         RuntimeError: the pieces of a param disagree on its scalar state or keys (the ranks
@@ -128,15 +144,14 @@ def gather_full_state_dict(
     for e in stepper.all_entries():
         gi = index[id(e.param)]
         st = local.state.get(e.opt, {}) if local is not None else {}
+        if not compact:  # as fp32: [Note: Compact state under ZeRO-1]
+            st = plain_state(st)
         if e.fragment:
             if st:
                 meta[gi] = {k: _fragment_meta(v) for k, v in st.items()}
             continue
         if st:
-            whole[gi] = {
-                k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in st.items()
-            }
+            whole[gi] = {k: _to_cpu(v) for k, v in st.items()}
         if e.master is not None:
             whole_masters[gi] = e.master.detach().cpu().clone()
     gathered = all_gather_objects((meta, whole, whole_masters), group)
@@ -154,7 +169,8 @@ def gather_full_state_dict(
     masters: dict[int, torch.Tensor] = {}
     for b in buckets:
         if b.elementwise:
-            _gather_fragments(stepper, b, index, merged, (world, group, gather), state, masters)
+            comm = (world, group, gather)
+            _gather_fragments(stepper, b, index, merged, comm, state, masters, compact)
     device = buckets[0].device if buckets else torch.device("cpu")
     for _, states, ms in gathered:
         for gi, st in states.items():
@@ -173,6 +189,14 @@ def gather_full_state_dict(
     return out
 
 
+def _to_cpu(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone()
+    if isinstance(v, CompactTensor):
+        return CompactTensor(v.codes.cpu().clone(), v.scales.cpu().clone(), v.shape, v.fmt)
+    return v
+
+
 def _show(keys: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(keys.items()))
 
@@ -185,26 +209,37 @@ def _gather_fragments(
     comm: tuple[int, dist.ProcessGroup, AllGather],
     state: dict[int, dict[str, Any]],
     masters: dict[int, torch.Tensor],
+    compact: bool = False,
 ) -> None:
     """Fills ``state`` / ``masters`` with the full state of fragment bucket ``b``'s params:
-    one all-gather per per-element key (and one of the masters). Collective; every rank
-    takes the same keys from ``merged``."""
+    one all-gather per per-element key (and one of the masters; with ``compact``, two more per
+    key with compact moments: codes and scales). Collective; every rank takes the same keys
+    from ``merged``."""
     local = stepper.local
     world, group, gather = comm
     mine = [e for e in stepper.all_entries() if e.bucket is b]
     gis = [index[id(p)] for p in b.params]
     dtypes: dict[str, str] = {}
+    formats: dict[str, CompactFormat] = {}
     for gi in gis:
         for k, v in merged.get(gi, {}).items():
             if isinstance(v, _PerElement):
                 dtypes.setdefault(k, v.dtype)
+            elif isinstance(v, _Compact) and formats.setdefault(k, v.fmt) != v.fmt:
+                raise RuntimeError(f"the params of bucket {b.index} hold {k!r} in two formats")
     for gi in gis:
         if gi in merged:
             state[gi] = {k: _to(v, b.device) for k, v in merged[gi].items()}
+    for k, fmt in sorted(formats.items(), key=lambda kv: kv[0]):
+        _gather_compact(b, mine, local, k, fmt, gis, merged, comm, state)
     for k, dtype in sorted(dtypes.items()):
         buf = torch.zeros(b.shard, dtype=getattr(torch, dtype), device=b.device)
         for e in mine:
             v = local.state.get(e.opt, {}).get(k) if local is not None else None
+            if isinstance(v, CompactTensor):
+                if compact:
+                    continue  # gathered as codes and scales
+                v = v.dequantize()
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.numel() != e.tensor.numel():
                     raise RuntimeError(
@@ -224,6 +259,49 @@ def _gather_fragments(
         full = _gather(buf, world, group, gather)
         for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
             masters[gi] = full[off : off + p.numel()].view(p.shape).clone()
+
+
+def _gather_compact(
+    b: FlatBucket,
+    mine: list[ShardEntry],
+    local: Any,
+    k: str,
+    fmt: CompactFormat,
+    gis: list[int],
+    merged: dict[int, dict[str, Any]],
+    comm: tuple[int, dist.ProcessGroup, AllGather],
+    state: dict[int, dict[str, Any]],
+) -> None:
+    """The compact moment ``k`` of bucket ``b``'s compact params, gathered as codes and scales.
+
+    Every piece starts at a multiple of the block in the rank's range, whose size is one too
+    ([Note: Block-aligned fragment buckets] in ``shardkit.optim._flat``), so its code bytes and
+    scales sit at fixed offsets of per-rank buffers: one all-gather of each rebuilds every
+    param's, bit for bit."""
+    world, group, gather = comm
+    bits, block = fmt.bits, fmt.block
+    if b.shard % block:
+        raise RuntimeError(f"bucket {b.index} is not block-aligned for compact state {k!r}")
+    codes = torch.zeros(b.shard * bits // 8, dtype=torch.uint8, device=b.device)
+    scales = torch.zeros(b.shard // block, dtype=torch.float32, device=b.device)
+    for e in mine:
+        v = local.state.get(e.opt, {}).get(k) if local is not None else None
+        if isinstance(v, CompactTensor):
+            c0, s0 = e.start * bits // 8, e.start // block
+            codes[c0 : c0 + v.codes.numel()].copy_(v.codes)
+            scales[s0 : s0 + v.scales.numel()].copy_(v.scales)
+    all_codes = _gather(codes, world, group, gather)
+    all_scales = _gather(scales, world, group, gather)
+    for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
+        if isinstance(merged.get(gi, {}).get(k), _Compact):
+            n = p.numel()
+            c0, s0 = off * bits // 8, off // block
+            state[gi][k] = CompactTensor(
+                all_codes[c0 : c0 + -(-n * bits // 8)].clone(),
+                all_scales[s0 : s0 + -(-n // block)].clone(),
+                tuple(p.shape),
+                fmt,
+            )
 
 
 def _to(v: Any, device: torch.device) -> Any:
@@ -307,6 +385,8 @@ def load_full_state_dict(
         if local is not None:
             local.state[e.opt] = st
         _load_master(e, master)
+    if local is not None:
+        quantize_state(local)  # exact: [Note: Block-aligned fragment buckets] in _flat
     stepper.mark_masters_current()
     laid = {id(p) for b in buckets for p in b.params}
     params = [p for g in param_groups for p in g["params"]]
@@ -328,6 +408,18 @@ def load_full_state_dict(
 def _piece(e: ShardEntry, gi: int, key: str, v: Any) -> Any:
     """Entry ``e``'s part of a param's saved state value (see [Note: Optimizer state
     format])."""
+    if isinstance(v, CompactTensor):  # a format-3 checkpoint's: [Note: Compact checkpoint items]
+        if v.numel != e.param.numel():
+            raise ValueError(
+                f"compact state of param {gi} key {key!r} holds {v.numel} elements but the "
+                f"param has {e.param.numel()}: the state dict was saved for another model"
+            )
+        if not e.fragment:
+            return v.clone()
+        lo, hi = e.lo, e.lo + e.tensor.numel()
+        if lo % v.fmt.block == 0 and (hi % v.fmt.block == 0 or hi == v.numel):
+            return v.narrow(lo, hi).clone()  # the piece's bytes, exactly
+        return v.dequantize().reshape(-1)[lo:hi].clone()  # quantized again by the load
     if not e.fragment or not isinstance(v, torch.Tensor) or v.dim() == 0:
         return _like(v, e.opt, key)
     p = e.param

@@ -35,6 +35,15 @@ the same scalar state (they see the same global usage), so a full state dict is 
 per-element state concatenated and the scalars of any piece. Which params no rank used is
 the driver's to say (``unused`` of :meth:`ShardStepper.step`): shardkit-ddp OR-s a per-rank
 usage mask over the ranks with one small all-reduce per step.
+
+[Note: Fused steps of cut params]
+Element-wise arithmetic is the same on a piece as on the whole param, except in one place:
+torch's fused CPU Adam / AdamW kernel (``fused=True``) computes a tensor's vectorised body and
+its scalar tail differently (the last bit of ``exp_avg_sq`` may differ, measured on torch
+2.13), so a piece that starts or ends off the vector width may not be bit for bit the whole
+param's step (within 1e-6 relative). The foreach and single-tensor paths, and every param cut
+between blocks (compact state: [Note: Block-aligned fragment buckets] in
+``shardkit.optim._flat``; blocks are multiples of every vector width), are exact.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from typing import Any
 
 import torch
 from shardkit.optim._clip import block_norms
+from shardkit.optim._compact import CompactTensor
+from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._master import log_reseeded, reseed_written, unscale_grads
@@ -155,6 +166,9 @@ class ShardStepper:
         if any(g["params"] for g in groups):
             self.local = optim_cls(groups, **defaults)
             share_hyperparams(param_groups, self.local)  # [Note: One owner of hyper-parameters]
+            # compact_state: pieces decide on their whole param ([Note: Block-aligned fragment
+            # buckets] in shardkit.optim._flat)
+            set_global_numels(self.local, {e.opt: e.param.numel() for e in self.all_entries()})
 
     def _make_masters(self) -> None:
         """Gives every entry of another dtype than ``master_dtype`` its master, created from the
@@ -214,6 +228,8 @@ class ShardStepper:
                 for v in self.local.state.get(e.opt, {}).values():
                     if isinstance(v, torch.Tensor):
                         n += v.numel() * v.element_size()
+                    elif isinstance(v, CompactTensor):
+                        n += v.nbytes
         return n
 
     # ------------------------------------------------------------------ step

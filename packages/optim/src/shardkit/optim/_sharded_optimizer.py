@@ -42,7 +42,7 @@ from shardkit.optim._agreement import (
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
 from shardkit.optim._compact import stores_compact
-from shardkit.optim._compact_optim import check_compact
+from shardkit.optim._compact_optim import check_compact, dequantize_state_dict
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
@@ -105,8 +105,8 @@ class ShardedOptimizer(Optimizer):
         compact_state: ``"int8"`` or ``"int4"``: keep Adam's / AdamW's moments block-quantized
             (8-bit: about 2.03 bytes per param for both, 4-bit: 1.06; fp32: 8) for every param
             of at least 4096 elements, stepped bit for bit as the plain optimizer whose moments
-            are requantized after each step; ZeRO-1 and the overlap hook (see [Note: Compact
-            state under ZeRO-1]). Needs ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params
+            are requantized after each step; ZeRO-1, the overlap hook and ZeRO-2 (see [Note:
+            Compact state under ZeRO-1] and [Note: Block-aligned fragment buckets]). Needs ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params
             or ``master_dtype=torch.float32``. ``None``: full precision.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
@@ -302,6 +302,14 @@ class ShardedOptimizer(Optimizer):
         return self._local.optim
 
     @property
+    def compact_state(self) -> str | None:
+        """``"int8"`` / ``"int4"`` when the moments are kept block-quantized, else ``None``.
+
+        A step driver that lays out element ranges (shardkit-ddp's ShardedDataParallel)
+        passes it to :func:`build_flat_buckets` so that no rank's range cuts a block."""
+        return self._compact
+
+    @property
     def shard_layout(self) -> ShardLayout:
         """The current partition: which rank owns which param (read-only)."""
         return self._layout
@@ -441,12 +449,6 @@ class ShardedOptimizer(Optimizer):
                 f"one first."
             )
         self._driver = driver
-        if isinstance(driver, ShardOwner) and self._compact is not None:
-            raise ValueError(
-                f"compact_state={self._compact!r} is supported under ZeRO-1 (with torch DDP) and "
-                f"shardkit-overlap's hook, not yet under {driver.name}: its element-range shards "
-                f"need block-aligned buckets. Build the ShardedOptimizer without compact_state."
-            )
         if isinstance(driver, ShardOwner):
             # The params now live in the driver's buffers: forget ours without touching them.
             self._local.release()
@@ -647,6 +649,8 @@ class ShardedOptimizer(Optimizer):
         master weights, each owned master is set from ``"master_params"`` exactly when the dict
         has it, else from the live param (load the model's weights first).
         """
+        if self._compact is None and isinstance(state_dict, dict):
+            state_dict = dequantize_state_dict(state_dict)  # a format-3 checkpoint's codes
         self._backend.load_full_state_dict(state_dict)
         for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             wg.update(copy.deepcopy(_hyperparams(sg)))  # [Note: One owner of hyper-parameters]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequenc
 from typing import Any, cast
 
 import torch
+from shardkit.optim._compact import CompactTensor
 from shardkit.optim._driver import ShardLayout
 from torch.optim import Optimizer
 
@@ -179,7 +180,9 @@ def _local_load_dict(
                         local_state[j] = dict(current[p])
                 else:
                     local_state[j] = {
-                        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                        k: v.detach().clone()
+                        if isinstance(v, torch.Tensor)
+                        else (v.clone() if isinstance(v, CompactTensor) else v)
                         for k, v in entry.items()
                     }
             ids.append(j)

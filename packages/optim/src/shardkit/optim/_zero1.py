@@ -129,10 +129,13 @@ class LocalShards(ShardOwner):
         """The tensor the wrapped optimizer steps for ``p`` (its master, or ``p``)."""
         return p if self.masters is None else self.masters.opt_tensor(p)
 
-    def owned_entries(self) -> dict[int, dict[str, Any]]:
-        """This rank's live state by global index, masters riding along (for transport)."""
-        local = {  # compact moments travel as fp32: [Note: Compact state under ZeRO-1]
-            i: plain_state(st)
+    def owned_entries(self, compact: bool = False) -> dict[int, dict[str, Any]]:
+        """This rank's live state by global index, masters riding along (for transport).
+
+        Compact moments travel as fp32 ([Note: Compact state under ZeRO-1]), or as they are
+        with ``compact`` (a checkpoint's items: [Note: Compact checkpoint items])."""
+        local = {
+            i: dict(st) if compact else plain_state(st)
             for i, st in _owned_state(
                 self.optim.state, self.layout, self.rank, self.opt_tensor
             ).items()
@@ -321,8 +324,9 @@ class LocalShards(ShardOwner):
 
     def checkpoint_state_dict(self) -> dict[str, Any]:
         """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}``
-        (live), with ``"master_params"`` when there are masters. Local."""
-        state, masters = split_wire(self.owned_entries())
+        (live; compact moments as ``CompactTensor``), with ``"master_params"`` when there are
+        masters. Local."""
+        state, masters = split_wire(self.owned_entries(compact=True))
         out: dict[str, Any] = {"state": state, "param_groups": numbered_groups(self.param_groups)}
         if self.masters is not None:
             out[MASTER_KEY] = masters

@@ -1,0 +1,88 @@
+"""Shared helpers of the compact-state tests (``test_compact_zero1.py``, ``test_compact_zero2.py``):
+a small model whose two 8192-element weights store compact moments, its batches, and the
+reference: a plain torch optimizer whose moments are requantized after each step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from shardkit.optim._compact import CompactTensor, moment_formats, stores_compact
+from torch import nn
+
+__all__ = ["J", "K", "Reference", "equal", "groups", "loss", "model", "train"]
+
+K, J = 3, 2  # steps before and after a checkpoint
+
+
+def model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)  # two 8192-element weights (compact), the rest full precision
+    m = nn.Sequential(
+        nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+    return m.to(dtype)
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    ps = list(model.parameters())
+    return [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3}]
+
+
+def loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 3, generator=g)
+    return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+class Reference:
+    """The plain optimizer (on fp32 copies of a low-precision model), its moments requantized
+    after each step for the params :func:`stores_compact` picks."""
+
+    def __init__(self, model: nn.Module, cls: type[torch.optim.Optimizer], kind: str, **kw: Any):
+        self.model, self.kind = model, kind
+        self.value = {
+            p: (p if p.dtype == torch.float32 else p.detach().float().clone())
+            for p in model.parameters()
+        }
+        gs = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [self.value[p] for p in g["params"]],
+            }
+            for g in groups(model)
+        ]
+        self.opt = cls(gs, **kw)
+
+    def step(self) -> None:
+        for p, v in self.value.items():
+            if v is not p:
+                v.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        for v, st in self.opt.state.items():
+            if not stores_compact(v.numel(), v.dtype):
+                continue
+            first, second = moment_formats(self.kind)
+            for name, fmt in (
+                ("exp_avg", first),
+                ("exp_avg_sq", second),
+                ("max_exp_avg_sq", second),
+            ):
+                if name in st:
+                    st[name].copy_(CompactTensor.from_tensor(st[name], fmt).dequantize())
+        with torch.no_grad():
+            for p, v in self.value.items():
+                if v is not p:
+                    p.copy_(v)
+
+
+def train(model: nn.Module, opt: Any, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        model.zero_grad()
+        loss(model, step).backward()
+        opt.step()
+
+
+def equal(a: nn.Module, b: nn.Module, what: str) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{what}: {name} differs by {(p.float() - q.float()).abs().max()}"
