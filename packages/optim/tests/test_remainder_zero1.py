@@ -103,6 +103,14 @@ def _resync(model_a: nn.Module, a: ShardedOptimizer, model_b: nn.Module,
     a.load_state_dict(b.state_dict(all_ranks=True))
 
 
+def _step_each(runs: tuple[tuple[nn.Module, ShardedOptimizer], ...], step: int) -> None:
+    """One training step of each ``(model or DDP, optimizer)`` on batch ``step``."""
+    for model, opt in runs:
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("name", list(_OPTIMS))
 @pytest.mark.parametrize("chunk", [256, None])
 @world(2)
@@ -151,10 +159,7 @@ def test_ties_round_away_from_zero_and_the_masters_stay_exact() -> None:
     assert differ > 0  # nonzero ties: away from zero differs from ties to even
     _resync(model_a, a, model_b, b)
     for step in range(2):
-        for model, opt in ((model_a, a), (model_b, b)):
-            opt.zero_grad()
-            _loss(model, step).backward()
-            opt.step()
+        _step_each(((model_a, a), (model_b, b)), step)
         _check_step(model_a, a, model_b, b, f"step {step} after ties")
         _resync(model_a, a, model_b, b)
 
@@ -165,10 +170,7 @@ def test_compact_moments_with_remainders() -> None:
     kw = {"compact_state": "int8", "master_grad_bucket_bytes": 40_000}
     a, b = _opt(model_a, "adamw", False, **kw), _opt(model_b, "adamw", True, **kw)
     for step in range(3):
-        for model, opt in ((model_a, a), (model_b, b)):
-            opt.zero_grad()
-            _loss(model, step).backward()
-            opt.step()
+        _step_each(((model_a, a), (model_b, b)), step)
         _check_step(model_a, a, model_b, b, f"int8, step {step}")
         for (pa, sa), (pb, sb) in zip(a.optim.state.items(), b.optim.state.items(), strict=True):
             assert pa.shape == pb.shape
@@ -191,10 +193,7 @@ def test_the_overlap_hook_steps_remainders_as_zero1() -> None:
     a, b = _opt(model_a, "adamw", True), _opt(model_b, "adamw", True)
     register_zero_overlap(ddp_b, b)
     for step in range(3):
-        for ddp, opt in ((ddp_a, a), (ddp_b, b)):
-            opt.zero_grad()
-            _loss(ddp, step).backward()
-            opt.step()
+        _step_each(((ddp_a, a), (ddp_b, b)), step)
         for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
             assert torch.equal(pa, pb), f"step {step}"
         ma, mb = _masters(a, model_a), _masters(b, model_b)
@@ -206,10 +205,7 @@ def test_dicts_load_both_ways_and_a_reload_continues_exactly() -> None:
     model_a, model_b = _model(), _model()
     a, b = _opt(model_a, "adamw", False), _opt(model_b, "adamw", True)
     for step in range(3):
-        for model, opt in ((model_a, a), (model_b, b)):
-            opt.zero_grad()
-            _loss(model, step).backward()
-            opt.step()
+        _step_each(((model_a, a), (model_b, b)), step)
     # an fp32-master dict into a fresh remainder optimizer: split once, exact
     sa = a.state_dict(all_ranks=True)
     model_c = _model()
@@ -231,10 +227,7 @@ def test_dicts_load_both_ways_and_a_reload_continues_exactly() -> None:
     )  # fmt: skip
     d.load_state_dict(sb)
     for step in range(3, 5):
-        for model, opt in ((model_b, b), (model_d, d)):
-            opt.zero_grad()
-            _loss(model, step).backward()
-            opt.step()
+        _step_each(((model_b, b), (model_d, d)), step)
         for pb, pd in zip(model_b.parameters(), model_d.parameters(), strict=True):
             assert torch.equal(pb, pd), f"step {step}"
     md = d.master_model_state_dict(model_d, recipient_rank=0)
@@ -308,10 +301,7 @@ def test_a_param_written_outside_the_optimizer_is_reseeded() -> None:
     a, b = _opt(model_a, "adamw", False), _opt(model_b, "adamw", True)
 
     def step_both(step: int) -> None:
-        for model, opt in ((model_a, a), (model_b, b)):
-            opt.zero_grad()
-            _loss(model, step).backward()
-            opt.step()
+        _step_each(((model_a, a), (model_b, b)), step)
         _check_step(model_a, a, model_b, b, f"step {step}")
         _resync(model_a, a, model_b, b)
 
