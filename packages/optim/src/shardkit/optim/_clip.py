@@ -225,7 +225,7 @@ def _norms(p: torch.Tensor, norm_type: float, masters: _Masters | None) -> torch
     pending factors (computed on one param's fp32 temporary, as the step will see it)."""
     g = p.grad
     assert g is not None  # filtered by the caller
-    if masters is None or masters.get(p) is None:
+    if masters is None or not masters.has(p):
         return block_norms(g, norm_type)
     g32 = g.detach().to(masters.dtype)
     masters.factors.apply(g32)

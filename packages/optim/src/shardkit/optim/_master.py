@@ -82,6 +82,19 @@ def check_master_dtype(master_dtype: object, broadcast_fp16: bool) -> torch.dtyp
     return master_dtype
 
 
+def check_master_remainder(value: object, master_dtype: torch.dtype | None) -> bool:
+    """Validates ``master_remainder`` (see [Note: Remainder masters under ZeRO-1])."""
+    if not isinstance(value, bool):
+        raise TypeError(f"master_remainder must be a bool, got {type(value).__name__}: {value!r}")
+    if value and master_dtype != torch.float32:
+        raise ValueError(
+            f"master_remainder=True keeps the fp32 master of each bf16 param as the param plus "
+            f"an int16 remainder: it needs master_dtype=torch.float32, got master_dtype="
+            f"{master_dtype}. Pass master_dtype=torch.float32 too, or drop master_remainder."
+        )
+    return value
+
+
 def needs_master(p: torch.Tensor, master_dtype: torch.dtype | None) -> bool:
     """Whether an owned param gets a master: trainable, floating, not already in that dtype."""
     return (
@@ -195,9 +208,28 @@ class _Masters:
         items = [(p, p, self._master[id(p)]) for p in params if id(p) in self._master]
         return reseed_written(items, self.versions)
 
-    def get(self, p: torch.Tensor) -> torch.Tensor | None:
-        """``p``'s master, if it has one."""
+    def has(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` has a master here (an owned param that needs one)."""
+        return id(p) in self._master
+
+    def value(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s exact master value, if it has one: the live master (state dicts of
+        ``master_dtype`` masters are live) or, for remainder masters, a new joined tensor."""
         return self._master.get(id(p))
+
+    def get(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Same as :meth:`value`."""
+        return self.value(p)
+
+    def set(self, p: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Sets ``p``'s master (it has one) to ``value`` exactly, or to the live param."""
+        with torch.no_grad():
+            self._master[id(p)].copy_(p if value is None else value)
+
+    def mirror(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """For a param another rank owns: writes what the owner's load of master ``value``
+        writes into it, so the replicas agree before the next sync. Nothing here (a load of
+        fp32 masters writes no param); remainder masters write the master's rounding."""
 
     def covers(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is handled in ``dtype`` (by its master, on its owner):

@@ -54,7 +54,7 @@ from shardkit.optim._layout import (
     agree_partition_inputs,
     step_flags,
 )
-from shardkit.optim._master import check_master_dtype
+from shardkit.optim._master import check_master_dtype, check_master_remainder
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import _hyperparams, _install_state, _local_groups, _StateFlag
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
@@ -108,14 +108,21 @@ class ShardedOptimizer(Optimizer):
             are requantized after each step; ZeRO-1, the overlap hook and ZeRO-2 (see [Note:
             Compact state under ZeRO-1] and [Note: Block-aligned fragment buckets]). Needs ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params
             or ``master_dtype=torch.float32``. ``None``: full precision.
+        master_remainder: with ``master_dtype=torch.float32``, keep the master of each owned
+            bf16 param as the param plus an int16 remainder (2 bytes per param instead of 4):
+            bit for bit the masters and updates of plain fp32 masters, params rounded to
+            nearest with ties away from zero (see [Note: Remainder masters under ZeRO-1] in
+            ``shardkit.optim._remainder_masters``). fp16 params keep full fp32 masters. ZeRO-1
+            and the overlap hook; not under ShardedDataParallel.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
         TypeError: ``optim`` is not an Optimizer subclass, or ``group`` is not a ProcessGroup.
         ValueError: ranks disagree on the params (fingerprint check), this process is not in
             ``group``, an unknown partition algorithm, ``master_dtype`` with
-            ``broadcast_fp16``, a bad ``master_grad_bucket_bytes``, or ``compact_state`` with
-            large low-precision params and no ``master_dtype``.
+            ``broadcast_fp16``, a bad ``master_grad_bucket_bytes``, ``compact_state`` with
+            large low-precision params and no ``master_dtype``, or ``master_remainder=True``
+            without ``master_dtype=torch.float32`` (``TypeError`` if not a bool).
     """
 
     def __init__(
@@ -130,6 +137,7 @@ class ShardedOptimizer(Optimizer):
         master_grad_bucket_bytes: int | None = 32 << 20,
         collective_timeout: float | timedelta | None = None,
         compact_state: str | None = None,
+        master_remainder: bool = False,
         **defaults: Any,
     ) -> None:
         optim = check_optim_class(optim, defaults)
@@ -138,6 +146,7 @@ class ShardedOptimizer(Optimizer):
         if not isinstance(broadcast_fp16, bool):
             raise TypeError(f"broadcast_fp16 must be a bool, got {broadcast_fp16!r}")
         self.master_dtype = check_master_dtype(master_dtype, broadcast_fp16)
+        self.master_remainder = check_master_remainder(master_remainder, self.master_dtype)
         self._compact = check_compact(compact_state, optim)
         self._master_grad_bucket_bytes = check_chunk_bytes(master_grad_bucket_bytes)
         self._timeout = check_timeout(collective_timeout)
@@ -184,7 +193,7 @@ class ShardedOptimizer(Optimizer):
             (
                 self._algorithm,
                 self.broadcast_fp16,
-                str(self.master_dtype),
+                f"{self.master_dtype}, master_remainder={self.master_remainder}",
                 f"{self._optim_cls.__name__}, compact_state={self._compact}",
             ),
         )
@@ -219,6 +228,7 @@ class ShardedOptimizer(Optimizer):
             self._timeout,
             carried,
             self._compact,
+            self.master_remainder,
         )
         self._backend = self._local
         self._layout = layout
@@ -447,6 +457,13 @@ class ShardedOptimizer(Optimizer):
                 f"this ShardedOptimizer is already driven by {self._driver.name}; an optimizer "
                 f"can be driven by one ShardedDataParallel or comm hook at a time. Close that "
                 f"one first."
+            )
+        if isinstance(driver, ShardOwner) and self.master_remainder:
+            raise ValueError(
+                f"master_remainder=True is supported under ZeRO-1 (with torch DDP) and "
+                f"shardkit-overlap's hook, not yet under {driver.name}, which steps element "
+                f"ranges of the params with its own masters. Build the ShardedOptimizer without "
+                f"master_remainder (plain fp32 masters) to use {driver.name}."
             )
         self._driver = driver
         if isinstance(driver, ShardOwner):

@@ -35,6 +35,7 @@ from shardkit.optim._master import (
     unscale_grads,
 )
 from shardkit.optim._profiling import profiler_range
+from shardkit.optim._remainder_masters import RemainderMasters
 from shardkit.optim._state import (
     _hyperparams,
     _local_groups,
@@ -71,6 +72,8 @@ class LocalShards(ShardOwner):
             partition, by ``id(param)``.
         compact_state: ``"int8"`` / ``"int4"``: Adam's moments kept block-quantized (see
             [Note: Compact state under ZeRO-1]), or ``None``.
+        master_remainder: bf16 params' masters kept as int16 remainders (see [Note: Remainder
+            masters under ZeRO-1]); needs ``master_dtype=torch.float32``.
     """
 
     name = "ShardedOptimizer"
@@ -88,6 +91,7 @@ class LocalShards(ShardOwner):
         timeout: timedelta | None,
         carried: Mapping[int, Mapping[str, Any]],
         compact_state: str | None = None,
+        master_remainder: bool = False,
     ) -> None:
         self.param_groups = param_groups
         self.layout = layout
@@ -101,7 +105,11 @@ class LocalShards(ShardOwner):
         """``id(param) -> index of its group`` for the owned params."""
         self.masters: _Masters | None = None
         if master_dtype is not None:  # See [Note: Master weights].
-            self.masters = _Masters(master_dtype, master_grad_bucket_bytes)
+            self.masters = (
+                RemainderMasters(master_grad_bucket_bytes)
+                if master_remainder
+                else _Masters(master_dtype, master_grad_bucket_bytes)
+            )
             for ps in local:
                 for p in ps:
                     if needs_master(p, master_dtype):
@@ -144,7 +152,7 @@ class LocalShards(ShardOwner):
             return local
         masters: dict[int, torch.Tensor] = {}
         for i in self.layout.owned(self.rank):
-            m = self.masters.get(self.layout.params[i])
+            m = self.masters.value(self.layout.params[i])
             if m is not None:
                 masters[i] = m
         return join_wire(local, masters)
@@ -367,12 +375,15 @@ class LocalShards(ShardOwner):
         share_hyperparams(self.param_groups, self.optim)  # load replaced the views
         if self.masters is not None:
             with torch.no_grad():
-                for i in self.layout.owned(self.rank):
-                    m = self.masters.get(params[i])
+                owned = set(self.layout.owned(self.rank))
+                for i in owned:
                     value = masters_in.get(i)
-                    if m is None or (value is not None and value.is_meta):
+                    if not self.masters.has(params[i]) or (value is not None and value.is_meta):
                         continue  # no master, or skipped at consolidation: keep it
-                    m.copy_(params[i] if value is None else value)
+                    self.masters.set(params[i], value)
+                for i, value in masters_in.items():
+                    if i not in owned and not value.is_meta:
+                        self.masters.mirror(params[i], value)
             self.masters.mark_current(params[i] for i in self.layout.owned(self.rank))
 
     # ------------------------------------------------------------------ masters
@@ -385,7 +396,7 @@ class LocalShards(ShardOwner):
         index = self.layout.index_of()
         local: dict[int, dict[str, Any]] = {}
         for i in self.layout.owned(self.rank):
-            m = masters.get(self.layout.params[i])
+            m = masters.value(self.layout.params[i])
             if m is not None:
                 local[i] = {"master": m}
         full = _consolidate(local, self.group, self.rank, recipient_rank, set())
@@ -409,11 +420,15 @@ class LocalShards(ShardOwner):
         masters = self._require_masters("load_master_model_state_dict")
         model.load_state_dict(state_dict, strict=strict)
         values = dict(state_dict)
+        index = self.layout.index_of()
         with torch.no_grad():
             for name, p in model.named_parameters(remove_duplicate=False):
-                m = masters.get(p)
-                if m is not None and name in values:
-                    m.copy_(values[name])
+                if name not in values:
+                    continue
+                if masters.has(p):
+                    masters.set(p, values[name])
+                elif id(p) in index:  # owned elsewhere
+                    masters.mirror(p, values[name])
         masters.mark_current(model.parameters())
 
     def _require_masters(self, what: str) -> _Masters:
