@@ -1,7 +1,7 @@
 """Compact optimizer state (issue 40, engine core): quality, bytes per param, step time.
 
 Single process, CPU, ``torch.set_num_threads(1)``; nothing distributed (the core is not yet
-wired into ``ShardedOptimizer``). Three measurements:
+wired into ``ShardedOptimizer``). Four measurements:
 
 1. **Quality.** The demo's character-level GPT (``docs/examples/demo.py``: token and position
    embeddings, 3 pre-norm blocks of ``nn.MultiheadAttention`` + MLP, tied head; ~0.6 M params)
@@ -12,9 +12,23 @@ wired into ``ShardedOptimizer``). Three measurements:
    init and batch order). Recorded: the final training loss (mean of the last 20 steps) and the
    held-out loss, per seed; the int8 mean should be no worse than the fp32 seeds (at most
    their maximum; whether it is within their spread is recorded too).
-2. **Bytes per param** of optimizer state (the moments; step counts are one scalar per param),
+2. **Quality on a second model** (``test_bench_compact_quality_cnn``), so that the claim does not
+   rest on one small task that overfits: a CNN (three conv layers, 5x5 / 3x3 / 3x3, max
+   pooling, two linear layers; 90 K params, 98.2 % of them in params of >= 4096 elements) that
+   classifies noisy sinusoidal gratings of 16 x 16 pixels into 16 classes (8 orientations x 2
+   spatial frequencies; random phase and contrast, Gaussian noise of std 2, about twice the
+   signal's amplitude). The images are generated once from a fixed generator (16384 to
+   train on, 4096 held out), the same for every run; ``SHARDKIT_BENCH_COMPACT_CNN_STEPS``
+   steps (default 400; batch 128, AdamW lr 1e-3, weight decay 0.01), the same kinds and seeds
+   through the same training loop. A task still learning at the end (not saturated, not
+   overfitting much). Recorded: the same figures plus the held-out accuracy.
+
+   For both models the loss curves are recorded as data (``loss_curves`` in ``extra_info``: the
+   mean training loss of each 10 steps, mean over the seeds, per kind; per run in
+   ``results``).
+3. **Bytes per param** of optimizer state (the moments; step counts are one scalar per param),
    on the GPT (its small params stay fp32) and on a model of large matrices only.
-3. **Step time** of the optimizer step alone on 4 x ``Linear(1024, 1024)`` (4.2 M params,
+4. **Step time** of the optimizer step alone on 4 x ``Linear(1024, 1024)`` (4.2 M params,
    constant random gradients): the compact step (torch's foreach and fused AdamW inside; chunks
    of 64 Ki and 256 Ki elements) against ``torch.optim.AdamW(fused=True)`` and
    ``(foreach=True)``, interleaved round robin (the median of ``SHARDKIT_BENCH_COMPACT_ROUNDS``
@@ -24,7 +38,8 @@ wired into ``ShardedOptimizer``). Three measurements:
    above (forward, backward, optimizer), int8 / int4 over fp32.
 
 Run with ``python -m pytest -o python_files='bench_*.py' packages/optim/benchmarks/bench_compact.py
--q -s`` (about 5 minutes on a loaded 2-core CPU).
+-q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN); ``-k cnn`` runs the
+CNN's quality runs alone, ``-k compact_state`` the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +51,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +73,11 @@ from torch import nn
 
 _ROOT = Path(__file__).resolve().parents[3]
 _STEPS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_STEPS", "300"))
+_CNN_STEPS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_CNN_STEPS", "400"))
 _ROUNDS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_ROUNDS", "15"))
 _SEEDS = (0, 1, 2)
 _KINDS = ("fp32", "int8", "int4")
+_CURVE_EVERY = 10  # steps per point of the recorded loss curves
 
 
 def _demo() -> Any:
@@ -135,7 +154,28 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def _train(demo: Any, kind: str, seed: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class _Task:
+    """A model and its data for the quality runs: every task goes through ``_train``.
+
+    The loss is the cross entropy of ``model(inputs)`` (logits in the last dim) against
+    ``targets`` (the same shape without it).
+    """
+
+    model: Callable[[], nn.Module]
+    """Builds the model (called after ``torch.manual_seed(seed)``)."""
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    """One training batch ``(inputs, targets)`` drawn with the run's generator."""
+    held_out: tuple[torch.Tensor, torch.Tensor]
+    """The held-out ``(inputs, targets)``, evaluated in one batch after training."""
+    steps: int
+    """Optimizer steps per run."""
+    lr: float
+    """AdamW's learning rate (weight decay 0.01)."""
+
+
+def _gpt_task(demo: Any) -> _Task:
+    """The demo's GPT on the demo's text, the last 10 % held out (windows of 64 characters)."""
     text = demo.read_text()
     cut = int(len(text) * 0.9)
     train_data = demo.CharWindows(text[:cut], context=64, stride=32)
@@ -145,33 +185,169 @@ def _train(demo: Any, kind: str, seed: int) -> dict[str, float]:
     held = torch.tensor([lookup[c] for c in text[cut:]])
     held_windows = held.unfold(0, 65, 16)
     cfg = demo.GPTConfig(vocab=len(chars), context=64)
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(len(train_data), (32,), generator=g)
+        windows = torch.stack([train_data[int(i)] for i in idx])
+        return windows[:, :-1], windows[:, 1:]
+
+    return _Task(
+        model=lambda: demo.GPT(cfg),
+        batch=batch,
+        held_out=(held_windows[:, :-1], held_windows[:, 1:]),
+        steps=_STEPS,
+        lr=3e-3,
+    )
+
+
+def _gratings(n: int, g: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` noisy sinusoidal gratings ``(n, 1, size, size)`` and their classes (16): class
+    ``c`` has orientation ``(c % 8) * 22.5`` degrees and 1.5 (``c < 8``) or 3 periods per image
+    width; random phase, contrast in [0.5, 1), plus Gaussian noise of std 2."""
+    label = torch.randint(16, (n,), generator=g)
+    theta = (label % 8).float() * (math.pi / 8)
+    freq = torch.where(label < 8, 1.5, 3.0) * (2 * math.pi / size)
+    phase = torch.rand(n, generator=g) * (2 * math.pi)
+    contrast = 0.5 + 0.5 * torch.rand(n, generator=g)
+    coords = torch.arange(size, dtype=torch.float32)
+    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+    arg = (
+        freq[:, None, None] * (xx * theta.cos()[:, None, None] + yy * theta.sin()[:, None, None])
+        + phase[:, None, None]
+    )
+    images = contrast[:, None, None] * arg.sin() + 2.0 * torch.randn(n, size, size, generator=g)
+    return images[:, None], label
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 5, padding=2),  # 400 elements: fp32 moments
+        nn.GELU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),  # 4608
+        nn.GELU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),  # 18432
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 64),  # 65536
+        nn.GELU(),
+        nn.Linear(64, 16),  # 1024: fp32 moments
+    )
+
+
+def _cnn_task() -> _Task:
+    """The CNN on gratings: one fixed data set (generator seed 2026), 16384 train, 4096 held out."""
+    g = torch.Generator().manual_seed(2026)
+    train_x, train_y = _gratings(16384, g)
+    held_out = _gratings(4096, g)
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(len(train_y), (128,), generator=gen)
+        return train_x[idx], train_y[idx]
+
+    return _Task(model=_cnn, batch=batch, held_out=held_out, steps=_CNN_STEPS, lr=1e-3)
+
+
+def _train(task: _Task, kind: str, seed: int) -> dict[str, Any]:
+    """One run: ``seed`` sets the model's init and the batch order."""
     torch.manual_seed(seed)
-    model = demo.GPT(cfg)
-    opt = _optimizer(kind, model.parameters(), lr=3e-3, weight_decay=0.01)
+    model = task.model()
+    opt = _optimizer(kind, model.parameters(), lr=task.lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(1000 + seed)
     losses: list[float] = []
     tic = time.perf_counter()
-    for _ in range(_STEPS):
-        idx = torch.randint(len(train_data), (32,), generator=g)
-        batch = torch.stack([train_data[int(i)] for i in idx])
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
-        loss.backward()
+    for _ in range(task.steps):
+        inputs, targets = task.batch(g)
+        loss = F.cross_entropy(model(inputs).flatten(0, -2), targets.flatten())
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     elapsed = time.perf_counter() - tic
     with torch.no_grad():
-        logits = model(held_windows[:, :-1])
-        held_loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), held_windows[:, 1:].reshape(-1))
-    n_params = sum(p.numel() for p in model.parameters())
+        inputs, targets = task.held_out
+        logits = model(inputs)
+        held_loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        held_accuracy = (logits.argmax(-1) == targets).float().mean()
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    compact = sum(p.numel() for p in params if stores_compact(p.numel(), p.dtype))
     return {
         "final_train_loss": statistics.fmean(losses[-20:]),
         "held_out_loss": float(held_loss),
+        "held_out_accuracy": float(held_accuracy),
         "state_bytes_per_param": _state_bytes(opt) / n_params,
         "params": n_params,
+        "compact_param_share": compact / n_params,
         "seconds": elapsed,
+        "loss_curve": [
+            statistics.fmean(losses[i : i + _CURVE_EVERY])
+            for i in range(0, len(losses), _CURVE_EVERY)
+        ],
     }
+
+
+def _quality_runs(task: _Task) -> dict[str, list[dict[str, Any]]]:
+    """Every seed x kind, seeds outermost (so a slow phase of the machine hits all kinds)."""
+    quality: dict[str, list[dict[str, Any]]] = {k: [] for k in _KINDS}
+    for seed in _SEEDS:
+        for kind in _KINDS:
+            quality[kind].append(_train(task, kind, seed))
+    return quality
+
+
+def _quality_info(
+    quality: dict[str, list[dict[str, Any]]], model: str, steps: int
+) -> dict[str, Any]:
+    """The figures recorded for one model's runs of ``steps`` steps (``model`` names the
+    per-model keys)."""
+    info: dict[str, Any] = {}
+    for kind in _KINDS:
+        finals = [r["final_train_loss"] for r in quality[kind]]
+        helds = [r["held_out_loss"] for r in quality[kind]]
+        info[f"{kind}_final_train_loss_mean"] = statistics.fmean(finals)
+        info[f"{kind}_final_train_loss_min"] = min(finals)
+        info[f"{kind}_final_train_loss_max"] = max(finals)
+        info[f"{kind}_final_train_loss_seeds"] = finals
+        info[f"{kind}_held_out_loss_mean"] = statistics.fmean(helds)
+        info[f"{kind}_held_out_accuracy_mean"] = statistics.fmean(
+            r["held_out_accuracy"] for r in quality[kind]
+        )
+        info[f"{kind}_{model}_state_bytes_per_param"] = quality[kind][0]["state_bytes_per_param"]
+    for kind in ("int8", "int4"):
+        ratios = [
+            c["seconds"] / f["seconds"] for c, f in zip(quality[kind], quality["fp32"], strict=True)
+        ]
+        info[f"{kind}_{model}_train_step_ratio_vs_fp32_foreach"] = statistics.median(ratios)
+    info["int8_mean_within_fp32_seed_spread"] = (
+        info["fp32_final_train_loss_min"]
+        <= info["int8_final_train_loss_mean"]
+        <= info["fp32_final_train_loss_max"]
+    )
+    info["int8_mean_at_most_fp32_seed_max"] = (
+        info["int8_final_train_loss_mean"] <= info["fp32_final_train_loss_max"]
+    )
+    n_points = len(quality["fp32"][0]["loss_curve"])
+    curves: dict[str, list[float]] = {
+        "step": [min((i + 1) * _CURVE_EVERY, steps) for i in range(n_points)]
+    }
+    for kind in _KINDS:
+        curves[kind] = [
+            statistics.fmean(points)
+            for points in zip(*(r["loss_curve"] for r in quality[kind]), strict=True)
+        ]
+    info["loss_curves"] = curves  # mean training loss of each 10 steps, mean over the seeds
+    return info
+
+
+def _check_sane(quality: dict[str, list[dict[str, Any]]]) -> None:
+    """Sanity only (a benchmark records, it does not judge): finite losses that went down."""
+    for kind, runs in quality.items():
+        for seed, r in zip(_SEEDS, runs, strict=True):
+            assert math.isfinite(r["final_train_loss"]), (kind, seed, r["final_train_loss"])
+            assert math.isfinite(r["held_out_loss"]), (kind, seed, r["held_out_loss"])
+            assert r["final_train_loss"] < r["loss_curve"][0], (kind, seed, r["loss_curve"][:3])
 
 
 def _step_times() -> dict[str, Any]:
@@ -257,28 +433,18 @@ def _codec_times() -> dict[str, float]:
 
 def test_bench_compact_state(benchmark: Any) -> None:
     torch.set_num_threads(1)
-    demo = _demo()
-    quality: dict[str, list[dict[str, float]]] = {k: [] for k in _KINDS}
+    task = _gpt_task(_demo())
+    quality: dict[str, list[dict[str, Any]]] = {}
     timing: dict[str, Any] = {}
 
     def run_all() -> None:
-        for seed in _SEEDS:
-            for kind in _KINDS:
-                quality[kind].append(_train(demo, kind, seed))
+        quality.update(_quality_runs(task))
         timing.update(_step_times())
         timing["codec"] = _codec_times()
 
     load_before = os.getloadavg()[0]
     benchmark.pedantic(run_all, rounds=1, iterations=1)
-    info: dict[str, Any] = {}
-    for kind in _KINDS:
-        finals = [r["final_train_loss"] for r in quality[kind]]
-        helds = [r["held_out_loss"] for r in quality[kind]]
-        info[f"{kind}_final_train_loss_mean"] = statistics.fmean(finals)
-        info[f"{kind}_final_train_loss_min"] = min(finals)
-        info[f"{kind}_final_train_loss_max"] = max(finals)
-        info[f"{kind}_held_out_loss_mean"] = statistics.fmean(helds)
-        info[f"{kind}_gpt_state_bytes_per_param"] = quality[kind][0]["state_bytes_per_param"]
+    info = _quality_info(quality, "gpt", task.steps)
     # large matrices only: every param compact
     big = [torch.zeros(1024, 1024)]
     for kind, k in (("fp32", None), ("int8", "int8"), ("int4", "int4")):
@@ -290,25 +456,28 @@ def test_bench_compact_state(benchmark: Any) -> None:
         if name.startswith("int"):
             info[f"{name}_step_ratio_vs_fp32_fused"] = med[name] / med["fp32_fused"]
             info[f"{name}_step_ratio_vs_fp32_foreach"] = med[name] / med["fp32_foreach"]
-    for kind in ("int8", "int4"):
-        ratios = [
-            c["seconds"] / f["seconds"] for c, f in zip(quality[kind], quality["fp32"], strict=True)
-        ]
-        info[f"{kind}_gpt_train_step_ratio_vs_fp32_foreach"] = statistics.median(ratios)
-    int8_in_spread = (
-        info["fp32_final_train_loss_min"]
-        <= info["int8_final_train_loss_mean"]
-        <= info["fp32_final_train_loss_max"]
-    )
-    info["int8_mean_within_fp32_seed_spread"] = int8_in_spread
-    info["int8_mean_at_most_fp32_seed_max"] = (
-        info["int8_final_train_loss_mean"] <= info["fp32_final_train_loss_max"]
-    )
-    info["results"] = {"quality": quality, "timing": timing, "steps": _STEPS}
+    info["results"] = {"quality": quality, "timing": timing, "steps": task.steps}
     info["loadavg_1min"] = [load_before, os.getloadavg()[0]]
     benchmark.extra_info.update(info)
     print(json.dumps(info, indent=1, default=str))
-    assert all(math.isfinite(r["final_train_loss"]) for rs in quality.values() for r in rs)
+    _check_sane(quality)
+
+
+def test_bench_compact_quality_cnn(benchmark: Any) -> None:
+    """Quality on the second model: the CNN on noisy gratings (module docstring, part 2)."""
+    torch.set_num_threads(1)
+    task = _cnn_task()
+    quality: dict[str, list[dict[str, Any]]] = {}
+    load_before = os.getloadavg()[0]
+    benchmark.pedantic(lambda: quality.update(_quality_runs(task)), rounds=1, iterations=1)
+    info = _quality_info(quality, "cnn", task.steps)
+    info["cnn_params"] = quality["fp32"][0]["params"]
+    info["cnn_compact_param_share"] = quality["fp32"][0]["compact_param_share"]
+    info["results"] = {"quality": quality, "steps": task.steps, "lr": task.lr}
+    info["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+    benchmark.extra_info.update(info)
+    print(json.dumps({k: v for k, v in info.items() if k != "results"}, indent=1))
+    _check_sane(quality)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -174,7 +174,7 @@ class BucketGroup(ShardOwner):
         self.reductions = [_Reduction(_gaps(b), set(range(len(b.params)))) for b in buckets]
         self.stepper = ShardStepper(
             buckets, type(opt.optim), opt.param_groups, dict(opt.defaults), self.comm.rank,
-            opt.master_dtype,
+            opt.master_dtype, master_remainder=opt.master_remainder,
         )  # fmt: skip
         _allocate_grad_shards(buckets)
         drained = weakref.WeakMethod(self._gathers_drained)  # the guard holds the gather

@@ -153,7 +153,7 @@ def gather_full_state_dict(
         if st:
             whole[gi] = {k: _to_cpu(v) for k, v in st.items()}
         if e.master is not None:
-            whole_masters[gi] = e.master.detach().cpu().clone()
+            whole_masters[gi] = e.master_value().detach().cpu().clone()
     gathered = all_gather_objects((meta, whole, whole_masters), group)
     merged: dict[int, dict[str, Any]] = {}
     for rank, (m, _, _) in enumerate(gathered):
@@ -255,7 +255,7 @@ def _gather_fragments(
         buf = torch.zeros(b.shard, dtype=stepper.master_dtype, device=b.device)
         for e in mine:
             if e.master is not None:
-                buf[e.start : e.start + e.master.numel()].copy_(e.master)
+                buf[e.start : e.start + e.tensor.numel()].copy_(e.master_value().reshape(-1))
         full = _gather(buf, world, group, gather)
         for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
             masters[gi] = full[off : off + p.numel()].view(p.shape).clone()
@@ -447,12 +447,10 @@ def _load_master(e: ShardEntry, saved: torch.Tensor | None) -> None:
     """Master values from the dict, or from the live (just loaded model) values."""
     if e.master is None:
         return
-    with torch.no_grad():
-        if saved is None:
-            e.master.copy_(e.tensor)
-            return
-        flat = saved.reshape(-1)[e.lo : e.lo + e.master.numel()]
-        e.master.copy_(flat.reshape(e.master.shape))
+    if saved is None:
+        e.set_master(None)
+        return
+    e.set_master(saved.reshape(-1)[e.lo : e.lo + e.tensor.numel()])
 
 
 # [Note: DCP sharded checkpoints]

@@ -36,6 +36,25 @@ per-element state concatenated and the scalars of any piece. Which params no ran
 the driver's to say (``unused`` of :meth:`ShardStepper.step`): shardkit-ddp OR-s a per-rank
 usage mask over the ranks with one small all-reduce per step.
 
+[Note: Remainder masters under ZeRO-2]
+With ``master_remainder=True`` a bf16 tensor's fp32 master is the tensor itself (its high 16
+bits) plus an int16 remainder (``_remainder.py``'s [Note: Exact 16-bit remainder masters]):
+views of one flat int16 buffer per device, 2 bytes per element where an fp32 master takes 4.
+The local optimizer keys its state by tensor object, so each such entry's ``master`` is a
+persistent fp32 *handle* that points at nothing outside the step (a stride-0 view of one
+element) and, during its bucket's step, at the joined master in the step's scratch (beside the
+upcast gradients: :meth:`ShardStepper.scratch_bytes` counts both); the stepped value is split
+back into the tensor (nearest, ties away from zero) and the remainder. Updates are bit for bit
+those of fp32 masters. Everything that reads or writes a master (state dicts, checkpoints,
+loads) goes through :meth:`ShardEntry.master_value` / :meth:`ShardEntry.set_master`, which
+join or split exactly. A write of the param by anyone else replaces the high half, and the
+remainder alone cannot tell what the master was, so a moved version counter resets the
+remainder to 0 (the master is then exactly the written bf16 value). The engine's own writes
+do not count: the split and the param all-gather write views of the bucket's flat buffer, which
+share no version counter with the params (their ``.data`` was re-pointed at it); where the
+stepped tensor is the param itself (whole-param buckets) its counter is recorded after the
+split.
+
 [Note: Fused steps of cut params]
 Element-wise arithmetic is the same on a piece as on the whole param, except in one place:
 torch's fused CPU Adam / AdamW kernel (``fused=True``) computes a tensor's vectorised body and
@@ -60,6 +79,7 @@ from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._master import log_reseeded, reseed_written, unscale_grads
+from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._state import _hyperparams as hyperparams
 from shardkit.optim._state import share_hyperparams
 from shardkit.optim._torch_compat import tensor_version
@@ -88,6 +108,10 @@ class ShardEntry:
     """Its master copy in ``master_dtype`` (stepped instead of ``tensor``), or ``None``."""
     lo: int = 0
     """First element of the param this entry covers (0 for a whole param)."""
+    remainder: torch.Tensor | None = None
+    """With ``master_remainder``, the int16 remainder of a bf16 tensor: its master is
+    ``join_master(tensor, remainder)`` and ``master`` is a handle that points at the joined
+    value during the step only ([Note: Remainder masters under ZeRO-2])."""
 
     @property
     def opt(self) -> torch.Tensor:
@@ -103,6 +127,28 @@ class ShardEntry:
     def param(self) -> torch.Tensor:
         """The whole param this entry steps (a part of)."""
         return self.bucket.params[self.position]
+
+    def master_value(self) -> torch.Tensor:
+        """The exact master value (a new tensor for a remainder; the master itself else)."""
+        if self.remainder is not None:
+            return join_master(self.tensor.detach(), self.remainder)
+        assert self.master is not None  # callers check the entry has a master
+        return self.master
+
+    def set_master(self, value: torch.Tensor | None) -> None:
+        """Sets the master exactly from ``value`` (or the live tensor when ``None``); a
+        remainder master is split into the tensor (rounded) and its remainder."""
+        with torch.no_grad():
+            if self.remainder is not None:
+                if value is None:
+                    self.remainder.zero_()
+                else:
+                    v = value.detach().to(self.tensor.device, torch.float32).reshape(
+                        self.tensor.shape
+                    )
+                    split_master(v.contiguous(), param_out=self.tensor, remainder_out=self.remainder)
+            elif self.master is not None:
+                self.master.copy_(self.tensor if value is None else value.reshape(self.master.shape))
 
     def grad(self) -> torch.Tensor:
         """Its part of the bucket's reduced ``grad_shard`` (a view)."""
@@ -122,6 +168,8 @@ class ShardStepper:
         defaults: Keyword arguments of the optimizer class (``ShardedOptimizer.defaults``).
         rank: This rank, in the buckets' group.
         master_dtype: Dtype of the master copies of lower-precision params, or ``None``.
+        master_remainder: With ``master_dtype=torch.float32``: bf16 tensors keep their master
+            as an int16 remainder (2 bytes per element instead of 4).
     """
 
     def __init__(
@@ -132,9 +180,15 @@ class ShardStepper:
         defaults: dict[str, Any],
         rank: int,
         master_dtype: torch.dtype | None,
+        master_remainder: bool = False,
     ) -> None:
         self.rank = rank
         self.master_dtype = master_dtype
+        self.master_remainder = master_remainder
+        """bf16 tensors keep an int16 remainder instead of an fp32 master ([Note: Remainder
+        masters under ZeRO-2])."""
+        self._idle: dict[torch.device, torch.Tensor] = {}
+        """Per device, the one fp32 element idle remainder handles are stride-0 views of."""
         self.factors = GradFactors()
         """Pending gradient factors (loss scaler's ``1/scale``, clip coefficient) for tensors
         with masters, applied in fp32 at the step, in order."""
@@ -178,6 +232,10 @@ class ShardStepper:
         if dtype is None:
             return
         needs = [e for e in self.all_entries() if e.tensor.dtype != dtype]
+        if self.master_remainder and dtype == torch.float32:
+            split = [e for e in needs if e.tensor.dtype == torch.bfloat16]
+            self._make_remainders(split)
+            needs = [e for e in needs if e.remainder is None]
         sizes: dict[torch.device, int] = {}
         for e in needs:
             sizes[e.tensor.device] = sizes.get(e.tensor.device, 0) + e.tensor.numel()
@@ -190,6 +248,30 @@ class ShardStepper:
                 e.master.copy_(e.tensor)
                 offsets[d] += n
         self.mark_masters_current()
+
+    def _make_remainders(self, entries: list[ShardEntry]) -> None:
+        """Remainders (zero: the master is the live value) and idle handles for ``entries``,
+        the remainders views of one flat int16 buffer per device."""
+        sizes: dict[torch.device, int] = {}
+        for e in entries:
+            sizes[e.tensor.device] = sizes.get(e.tensor.device, 0) + e.tensor.numel()
+        flats = {d: torch.zeros(n, dtype=torch.int16, device=d) for d, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        for e in entries:
+            d, n = e.tensor.device, e.tensor.numel()
+            e.remainder = flats[d][offsets[d] : offsets[d] + n].view(e.tensor.shape)
+            offsets[d] += n
+            e.master = torch.empty(0, dtype=torch.float32, device=d)
+            self._point_idle(e)
+
+    def _point_idle(self, e: ShardEntry) -> None:
+        """Points a remainder entry's handle at nothing (a stride-0 view of one element)."""
+        base = self._idle.get(e.tensor.device)
+        if base is None:
+            base = self._idle[e.tensor.device] = torch.zeros(1, device=e.tensor.device)
+        assert e.master is not None  # remainder entries have a handle
+        idle = base.as_strided(e.tensor.shape, (0,) * e.tensor.dim())
+        e.master.set_(idle.untyped_storage(), idle.storage_offset(), idle.shape, idle.stride())
 
     def mark_masters_current(self) -> None:
         """Records the version counters of the params with masters: the masters are the truth
@@ -213,8 +295,8 @@ class ShardStepper:
         with masters (0 without masters). See [Note: Stepping masters bucket by bucket]."""
         per_bucket: dict[int, int] = {}
         for e in self.all_entries():
-            if e.master is not None:
-                n = e.master.numel() * e.master.element_size()
+            if e.master is not None:  # the upcast grads, and a remainder's joined master
+                n = e.tensor.numel() * 4 * (2 if e.remainder is not None else 1)
                 per_bucket[e.bucket.index] = per_bucket.get(e.bucket.index, 0) + n
         return max(per_bucket.values(), default=0)
 
@@ -222,7 +304,9 @@ class ShardStepper:
         """Bytes of masters and optimizer state held by this rank."""
         n = 0
         for e in self.all_entries():
-            if e.master is not None:
+            if e.remainder is not None:
+                n += e.remainder.numel() * e.remainder.element_size()
+            elif e.master is not None:
                 n += e.master.numel() * e.master.element_size()
             if self.local is not None:
                 for v in self.local.state.get(e.opt, {}).values():
@@ -254,9 +338,11 @@ class ShardStepper:
             return
         # See [Note: Params written outside the optimizer] (the params' gathers are done).
         written = (
-            (e.param, e.tensor, e.master) for e in self.all_entries() if e.master is not None
+            (e.param, e.tensor, e.master)
+            for e in self.all_entries()
+            if e.master is not None and e.remainder is None
         )
-        log_reseeded(reseed_written(written, self.versions))
+        log_reseeded(reseed_written(written, self.versions) + self._reseed_remainders())
         try:
             plain: list[ShardEntry] = []
             chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
@@ -279,31 +365,64 @@ class ShardStepper:
         finally:
             self.factors.clear()
 
+    def _reseed_remainders(self) -> list[torch.Tensor]:
+        """[Note: Params written outside the optimizer] for remainder masters: a param whose
+        counter moved since the masters were made, loaded or stepped was written by someone
+        else; its master becomes the written value (remainder 0). See [Note: Remainder masters
+        under ZeRO-2]."""
+        out: list[torch.Tensor] = []
+        for e in self.all_entries():
+            if e.remainder is None:
+                continue
+            seen, now = self.versions.get(id(e.param)), tensor_version(e.param)
+            if seen is not None and seen != now:
+                with torch.no_grad():
+                    e.remainder.zero_()
+                out.append(e.param)
+        for p in out:
+            self.versions[id(p)] = tensor_version(p)
+        return list({id(p): p for p in out}.values())
+
     def _step_masters(
         self, local: Optimizer, chunk: list[ShardEntry], scratch: Sequence[torch.Tensor]
     ) -> None:
-        """Upcasts the gradients of one bucket's masters into scratch, steps them, casts back."""
-        first = chunk[0].master
-        assert first is not None  # chunks hold entries with masters only
+        """Upcasts the gradients of one bucket's masters into scratch (and joins the remainder
+        masters beside them), steps them, casts (or splits) back."""
+        first = chunk[0].tensor
         numel = sum(e.tensor.numel() for e in chunk)
-        flat = _scratch(numel, first.dtype, first.device, scratch)
-        off = 0
+        joined = sum(e.tensor.numel() for e in chunk if e.remainder is not None)
+        both = _scratch(numel + joined, torch.float32, first.device, scratch)
+        flat, values = both[:numel], both[numel:]
+        off = joined_off = 0
         for e in chunk:
             master = e.master
             assert master is not None  # chunks hold entries with masters only
-            mg = flat[off : off + master.numel()].view_as(master)
+            n = e.tensor.numel()
+            if e.remainder is not None:  # [Note: Remainder masters under ZeRO-2]
+                view = values[joined_off : joined_off + n].view(e.tensor.shape)
+                join_master(e.tensor.detach(), e.remainder, out=view)
+                master.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+                joined_off += n
+            mg = flat[off : off + n].view(e.tensor.shape)
             mg.copy_(e.grad())
             master.grad = mg
-            off += master.numel()
+            off += n
         self.factors.apply(flat)  # one multiply each, in order
         try:
             local.step()
             with torch.no_grad():
                 for e in chunk:
-                    e.tensor.copy_(e.opt)
+                    if e.remainder is not None:
+                        split_master(e.opt, param_out=e.tensor, remainder_out=e.remainder)
+                        if e.tensor is e.param:  # whole-param bucket: our own write
+                            self.versions[id(e.param)] = tensor_version(e.param)
+                    else:
+                        e.tensor.copy_(e.opt)
         finally:
             for e in chunk:
                 e.opt.grad = None
+                if e.remainder is not None:
+                    self._point_idle(e)
 
     # ------------------------------------------------------------------ loss scaling
     def has_master(self, b: FlatBucket) -> bool:

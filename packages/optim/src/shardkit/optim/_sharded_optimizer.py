@@ -458,13 +458,6 @@ class ShardedOptimizer(Optimizer):
                 f"can be driven by one ShardedDataParallel or comm hook at a time. Close that "
                 f"one first."
             )
-        if isinstance(driver, ShardOwner) and self.master_remainder:
-            raise ValueError(
-                f"master_remainder=True is supported under ZeRO-1 (with torch DDP) and "
-                f"shardkit-overlap's hook, not yet under {driver.name}, which steps element "
-                f"ranges of the params with its own masters. Build the ShardedOptimizer without "
-                f"master_remainder (plain fp32 masters) to use {driver.name}."
-            )
         self._driver = driver
         if isinstance(driver, ShardOwner):
             # The params now live in the driver's buffers: forget ours without touching them.
