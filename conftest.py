@@ -182,7 +182,8 @@ def _launch(cmd: list[str], cwd: Path, what: str) -> str | None:
 # DTensor caches keep the device mesh, and so its group, until exit).
 _GLOO_EXIT_CHECK = """
 
-def _shardkit_docs_gloo_exit_check() -> None:  # appended by conftest.py: [Note: Gloo threads at exit]
+# appended by conftest.py: [Note: Gloo threads at exit]
+def _shardkit_docs_gloo_exit_check() -> None:
     import os as _os, sys as _sys
     tasks = _os.listdir("/proc/self/task") if _os.path.isdir("/proc/self/task") else []
     names = []

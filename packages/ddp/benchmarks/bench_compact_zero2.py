@@ -3,8 +3,9 @@
 Gloo, ``ShardedDataParallel`` + ``ShardedOptimizer(AdamW)``, the 33.6M-param benchmark model
 (8 x ``Linear(2048, 2048)``), world 2 and 4, three steps; rank 0's live tensor storages (each
 counted once, grads included: ``shardkit.testing.live_storages``) and its sharded optimizer
-state (masters + moments, ``ShardStepper.state_bytes``), for fp32 params and bf16 params with
-fp32 masters, with fp32, int8 and int4 moments, and int8 with ``keep_staging_buffers=False``
+state (masters + moments, ``ShardStepper.state_bytes``), for fp32 params, bf16 params with
+fp32 masters and bf16 params with remainder masters (``master_remainder=True``), with fp32, int8
+and int4 moments, and int8 with ``keep_staging_buffers=False``
 (``_lean``: the staging buffers of the reduction are freed after each backward, as the
 issue's accounting of params + grad shard + masters + moments assumes). Each configuration
 runs in fresh ranks.
@@ -12,7 +13,7 @@ runs in fresh ranks.
 ``..._step_ratio``: the median step time of the last two steps over fp32 moments' (same
 params, same run; the CPU figure of the eager codec, see the optim README).
 
-Run with ``python tools/bench.py ddp`` (about 4 minutes on a 2-core CPU).
+Run with ``python tools/bench.py ddp`` (this one: about 16 minutes on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, kind: str | None, masters: bool, lean: bool, out: str
+    rank: int, world: int, port: int, kind: str | None, masters: str, lean: bool, out: str
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -47,7 +48,7 @@ def _worker(
     from shardkit.testing import live_storages
 
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if masters else torch.float32
+    dtype = torch.bfloat16 if masters else torch.float32  # masters: "", "fp32" or "remainder"
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).to(dtype)
     n = sum(p.numel() for p in model.parameters())
     opt = ShardedOptimizer(
@@ -56,6 +57,7 @@ def _worker(
         lr=1e-4,
         compact_state=kind,
         master_dtype=torch.float32 if masters else None,
+        master_remainder=masters == "remainder",
     )
     sdp = ShardedDataParallel(model, opt, keep_staging_buffers=not lean)
     times = []
@@ -76,7 +78,7 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _measure(world: int, kind: str | None, masters: bool, lean: bool) -> dict[str, float]:
+def _measure(world: int, kind: str | None, masters: str, lean: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         args = (world, _port(), kind, masters, lean, out)
@@ -91,11 +93,12 @@ def test_bench_compact_zero2_memory(benchmark: Any) -> None:
 
     def run() -> None:
         for world in (2, 4):
-            for masters in (False, True):
+            for masters in ("", "fp32", "remainder"):
                 base = 0.0
                 for kind, lean in ((None, False), ("int8", False), ("int4", False), ("int8", True)):
                     r = _measure(world, kind, masters, lean)
-                    key = f"w{world}_{'bf16_masters' if masters else 'fp32'}_{kind or 'fp32'}"
+                    params = {"": "fp32", "fp32": "bf16_masters", "remainder": "bf16_remainder"}
+                    key = f"w{world}_{params[masters]}_{kind or 'fp32'}"
                     key += "_lean" if lean else ""
                     info[f"{key}_live"] = round(r["live"], 3)
                     info[f"{key}_state"] = round(r["state"], 3)
@@ -105,7 +108,7 @@ def test_bench_compact_zero2_memory(benchmark: Any) -> None:
     benchmark.pedantic(run, rounds=1, iterations=1)
     benchmark.extra_info.update(info)
     for world in (2, 4):  # the moments shrink: int8 under a third of fp32, int4 under a sixth
-        for params in ("fp32", "bf16_masters"):
+        for params in ("fp32", "bf16_masters", "bf16_remainder"):
             fp32 = info[f"w{world}_{params}_fp32_state"]
             assert info[f"w{world}_{params}_int8_state"] < fp32
             assert info[f"w{world}_{params}_int8_live"] < info[f"w{world}_{params}_fp32_live"]

@@ -3,7 +3,8 @@
 Gloo, torch DDP (``gradient_as_bucket_view=True``) + ``ShardedOptimizer(AdamW)``, the 33.6M-param
 benchmark model (8 x ``Linear(2048, 2048)``), two steps; rank 0's live tensor storages (each
 counted once, grads included: ``shardkit.testing.live_storages``) and its optimizer state,
-for fp32 params and bf16 params with fp32 masters, with fp32, int8 and int4 moments. Each
+for fp32 params, bf16 params with fp32 masters and bf16 params with remainder masters
+(``master_remainder=True``), with fp32, int8 and int4 moments. Each
 configuration runs in fresh ranks. ``extra_info`` holds ``<world>_<params>_<moments>_live`` and
 ``..._state`` in bytes per param.
 
@@ -30,7 +31,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, kind: str | None, masters: bool, out: str) -> None:
+def _worker(rank: int, world: int, port: int, kind: str | None, masters: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -49,6 +50,7 @@ def _worker(rank: int, world: int, port: int, kind: str | None, masters: bool, o
         lr=1e-4,
         compact_state=kind,
         master_dtype=torch.float32 if masters else None,
+        master_remainder=masters == "remainder",
     )
     for step in range(2):
         x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(step)).to(dtype)
@@ -69,7 +71,7 @@ def _worker(rank: int, world: int, port: int, kind: str | None, masters: bool, o
     dist.destroy_process_group()
 
 
-def _measure(world: int, kind: str | None, masters: bool) -> dict[str, float]:
+def _measure(world: int, kind: str | None, masters: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(world, _port(), kind, masters, out), nprocs=world, join=True)
@@ -83,10 +85,11 @@ def test_bench_compact_zero1_memory(benchmark: Any) -> None:
 
     def run() -> None:
         for world in (2, 4):
-            for masters in (False, True):
+            for masters in ("", "fp32", "remainder"):
                 for kind in (None, "int8", "int4"):
                     r = _measure(world, kind, masters)
-                    key = f"w{world}_{'bf16_masters' if masters else 'fp32'}_{kind or 'fp32'}"
+                    params = {"": "fp32", "fp32": "bf16_masters", "remainder": "bf16_remainder"}
+                    key = f"w{world}_{params[masters]}_{kind or 'fp32'}"
                     info[f"{key}_live"] = round(r["live"], 3)
                     info[f"{key}_state"] = round(r["state"], 3)
 

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _compact_testkit import K, groups, model, train
+import torch.distributed.checkpoint as dcp
+from _compact_testkit import J, K, Reference, equal, groups, model, train
 from shardkit.checkpoint import UnsafeCheckpointError, open_checkpoint
 from shardkit.optim import ShardedOptimizer, load_consolidated, load_sharded, save_sharded
 from shardkit.optim._checkpoint import _compact_moment
 from shardkit.optim._compact import CompactTensor, moment_formats, stores_compact
 from shardkit.optim._load_checks import parse_key
 from shardkit.testing import world
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +118,35 @@ def test_items_that_make_no_compact_moment_are_refused() -> None:
     for got, rec, shapes in bad_cases:
         with pytest.raises(UnsafeCheckpointError, match="damaged or crafted"):
             _compact_moment(0, "exp_avg", got, rec, shapes)  # type: ignore[arg-type]
+
+
+@world(2)
+def test_dcp_state_dict_save_world2(ckpt_root: Path) -> None:
+    """torch.distributed.checkpoint's own path (``get_state_dict`` + ``dcp.save``, as
+    torchtitan and Accelerate do): the optimizer's dict carries fp32 moments."""
+    m = model()
+    opt = ShardedOptimizer(groups(m), torch.optim.AdamW, compact_state="int8", lr=1e-2)
+    train(m, opt, K)
+    msd, osd = get_state_dict(m, optimizers=opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt_root / "dcp"))
+
+
+@world(3)
+def test_dcp_state_dict_resumes_at_world3_bit_for_bit(ckpt_root: Path) -> None:
+    ref = Reference(model(), torch.optim.AdamW, "int8", lr=1e-2)
+    train(ref.model, ref, K + J)
+    m = model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()  # the checkpoint must restore every weight
+    opt = ShardedOptimizer(groups(m), torch.optim.AdamW, compact_state="int8", lr=1e-2)
+    msd, osd = get_state_dict(m, optimizers=opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(ckpt_root / "dcp"))
+    set_state_dict(m, optimizers=opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert all(
+        isinstance(st["exp_avg"], CompactTensor) == (p.numel() >= 4096)
+        for p, st in opt.optim.state.items()
+    )
+    train(m, opt, J, start=K)
+    equal(ref.model, m, "DCP state dict, world 2 -> 3")

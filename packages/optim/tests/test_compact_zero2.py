@@ -77,6 +77,17 @@ def _average(m: torch.nn.Module) -> None:
             p.grad = total
 
 
+def _step_both(ref: Reference, sdp: Any, opt: ShardedOptimizer, step: int) -> None:
+    """One step of the reference (its grads averaged as the sharded run's) and of ``sdp``."""
+    ref.model.zero_grad()
+    loss(ref.model, step).backward()
+    _average(ref.model)
+    ref.step()
+    opt.zero_grad()
+    loss(sdp, step).backward()
+    opt.step()
+
+
 def _run(case: int, masters: bool) -> None:
     kind, cls, kw = _CASES[case]
     dtype = torch.bfloat16 if masters else torch.float32
@@ -84,13 +95,7 @@ def _run(case: int, masters: bool) -> None:
     m = model(dtype)
     sdp, opt = _wrap(m, kind, cls, masters, **kw)
     for step in range(4):
-        ref.model.zero_grad()
-        loss(ref.model, step).backward()
-        _average(ref.model)
-        ref.step()
-        opt.zero_grad()
-        loss(sdp, step).backward()
-        opt.step()
+        _step_both(ref, sdp, opt, step)
     sdp.wait_params()
     _check_layout(opt, kind)
     # [Note: Fused steps of cut params]: torch's fused CPU kernel steps a tensor's vector body
@@ -115,9 +120,7 @@ def _run(case: int, masters: bool) -> None:
 @pytest.mark.parametrize("case", range(len(_CASES)))
 @pytest.mark.parametrize("masters", [False, True])
 @world(2)
-def test_zero2_matches_the_plain_optimizer_on_requantized_moments(
-    case: int, masters: bool
-) -> None:
+def test_zero2_matches_the_plain_optimizer_on_requantized_moments(case: int, masters: bool) -> None:
     _run(case, masters)
 
 
@@ -210,3 +213,42 @@ def test_every_cut_of_a_compact_param_falls_between_blocks(
         ends = sorted((off, off + p.numel()) for off, p in zip(b.offsets, b.params, strict=True))
         assert all(a[1] <= c[0] for a, c in zip(ends, ends[1:], strict=False))  # no overlap
         assert ends[-1][1] <= b.numel
+
+
+class _Branchy(torch.nn.Module):
+    """A compact param (``side``, 8192 elements) that no rank uses on odd steps: it is not
+    stepped then and keeps its own step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 512)
+        self.b = torch.nn.Linear(512, 16)
+        self.side = torch.nn.Linear(512, 16)
+        self.head = torch.nn.Linear(16, 3)
+        self.use_side = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        out = self.b(h) + (self.side(h) if self.use_side else 0)
+        return self.head(torch.tanh(out))
+
+
+@world(2)
+def test_zero2_unused_params_keep_their_compact_state_and_step_count() -> None:
+    ref = Reference(_Branchy(), torch.optim.AdamW, "int8", lr=1e-2, weight_decay=0.1)
+    m = _Branchy()
+    opt = ShardedOptimizer(groups(m), torch.optim.AdamW, compact_state="int8", lr=1e-2,
+                           weight_decay=0.1)  # fmt: skip
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=6000)
+    for step in range(5):
+        ref.model.use_side = m.use_side = step % 2 == 0  # type: ignore[assignment]
+        _step_both(ref, sdp, opt, step)
+    sdp.wait_params()
+    equal(ref.model, m, "unused compact param")
+    sd = opt.state_dict(all_ranks=True)
+    side = [i for i, (n, _) in enumerate(m.named_parameters()) if n == "side.weight"][0]
+    assert int(sd["state"][side]["step"]) == 3  # steps 0, 2, 4
+    for i, state in ref.opt.state_dict()["state"].items():
+        for k, v in state.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)

@@ -19,13 +19,15 @@ from shardkit.optim._remainder import split_master
 from shardkit.testing import world
 
 
-def _run(remainder: bool, **kw: Any) -> tuple[torch.nn.Module, Any, ShardedOptimizer]:
+def _run(
+    remainder: bool, cap: int | None = 6000, **kw: Any
+) -> tuple[torch.nn.Module, Any, ShardedOptimizer]:
     m = model(torch.bfloat16)
     opt = ShardedOptimizer(
         groups(m), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
         master_dtype=torch.float32, master_remainder=remainder, **kw,
     )  # fmt: skip
-    return m, ShardedDataParallel(m, opt, reduce_buffer_size=6000), opt
+    return m, ShardedDataParallel(m, opt, reduce_buffer_size=cap), opt
 
 
 def _compare(a: tuple[Any, Any, ShardedOptimizer], b: tuple[Any, Any, ShardedOptimizer]) -> None:
@@ -59,10 +61,19 @@ def _steps(runs: list[tuple[Any, Any, ShardedOptimizer]], start: int, n: int) ->
         a[2].load_state_dict(b[2].state_dict(all_ranks=True))
 
 
-@pytest.mark.parametrize("compact", [None, "int8"])
+@pytest.mark.parametrize(("compact", "cap"), [(None, 6000), ("int8", 6000), ("int8", None)])
 @world(2)
-def test_zero2_remainders_step_as_fp32_masters(compact: str | None) -> None:
-    a, b = _run(False, compact_state=compact), _run(True, compact_state=compact)
+def test_zero2_remainders_step_as_fp32_masters(compact: str | None, cap: int | None) -> None:
+    """``cap=None``: one bucket per group, stepped in parts (the joined masters beside the
+    gradients would need twice the scratch of fp32 masters in one go)."""
+    a, b = _run(False, cap, compact_state=compact), _run(True, cap, compact_state=compact)
+    if cap is None:
+        stepper = b[2].driver.stepper  # type: ignore[union-attr]
+        entries = [e for e in stepper.all_entries() if e.remainder is not None]
+        assert len(stepper._sub_chunks(entries)) > 1
+        fp32 = a[2].driver.stepper.scratch_bytes()  # type: ignore[union-attr]
+        largest = max(8 * e.tensor.numel() for e in entries)  # gradient + joined master
+        assert stepper.scratch_bytes() == max(fp32, largest)
     _steps([a, b], 0, 4)
     stepper = b[2].driver.stepper  # type: ignore[union-attr]
     entries = [e for e in stepper.all_entries() if e.tensor.dtype == torch.bfloat16]

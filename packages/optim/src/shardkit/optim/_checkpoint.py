@@ -467,9 +467,7 @@ def _compact_moment(
         fmt = CompactFormat(spec["map"], spec["block"])
         return CompactTensor(got["codes"], got["scales"], shapes[idx], fmt)
     except (TypeError, ValueError) as e:
-        raise UnsafeCheckpointError(
-            f"{where}: {e}; the checkpoint is damaged or crafted"
-        ) from None
+        raise UnsafeCheckpointError(f"{where}: {e}; the checkpoint is damaged or crafted") from None
 
 
 def _reader(opened: Opened, allow_pickle: bool) -> SafeFileSystemReader:

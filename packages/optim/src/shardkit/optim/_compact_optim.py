@@ -263,8 +263,7 @@ def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         return dict(state_dict)
     out = dict(state_dict)
     out["state"] = {
-        i: plain_state(entry) if isinstance(entry, Mapping) else entry
-        for i, entry in state.items()
+        i: plain_state(entry) if isinstance(entry, Mapping) else entry for i, entry in state.items()
     }
     return out
 

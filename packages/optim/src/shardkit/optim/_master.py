@@ -244,15 +244,15 @@ class _Masters:
         return len(self._master)
 
     def chunks(self, params: Iterable[torch.Tensor]) -> list[_Chunk]:
-        """Splits ``params`` (owned, in optimizer order) into chunks of bounded fp32 grad bytes.
+        """Splits ``params`` (owned, in optimizer order) into chunks of bounded scratch bytes
+        (:meth:`step_bytes`: the fp32 grads, and remainder masters' joined values).
 
         Params without a master or without a gradient add no bytes; a param larger than the
         budget is a chunk of its own.
         """
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         out: list[_Chunk] = [_Chunk([])]
         for p in params:
-            nbytes = p.numel() * itemsize if id(p) in self._master and p.grad is not None else 0
+            nbytes = self.step_bytes(p) if id(p) in self._master and p.grad is not None else 0
             last = out[-1]
             if (
                 self.chunk_bytes is not None
@@ -264,6 +264,10 @@ class _Masters:
             last.params.append(p)
             last.grad_bytes += nbytes
         return [c for c in out if c.params]
+
+    def step_bytes(self, p: torch.Tensor) -> int:
+        """Scratch bytes ``p``'s master needs in a step: its upcast gradient."""
+        return p.numel() * torch.empty((), dtype=self.dtype).element_size()
 
     def load_grads(self, chunk: _Chunk) -> list[torch.Tensor]:
         """Step 1 of [Note: Master weights]: the chunk's upcast grads as the masters' ``.grad``.

@@ -23,9 +23,12 @@ zeros, not the master. A step, per chunk of [Note: Master weights]:
 So the updates are bit for bit those of ``master_dtype=torch.float32`` and the params too except
 at exact ties (the Note in ``_remainder.py``). The joins and splits run on blocks of
 ``_BLOCK`` elements, so their int32 temporaries stay bounded whatever the param's size. At rest a
-rank holds 2 bytes per owned bf16 param plus the two scratch chunks (``master_grad_bucket_bytes``
-each); with ``master_grad_bucket_bytes=None`` (one chunk) the masters' scratch is as large as
-all of them, and the saving is gone at the step's peak.
+rank holds 2 bytes per owned bf16 param plus the step's scratch: chunks count a remainder param's
+gradient and joined master together (:meth:`RemainderMasters.step_bytes`), so for a bf16 model
+the two buffers hold ``master_grad_bucket_bytes`` together, as fp32 masters' gradients alone
+would (up to 1.5 times that when fp16 params with full masters fill other chunks); with
+``master_grad_bucket_bytes=None`` (one chunk) the scratch is as large as all of them, and the
+saving is gone at the step's peak.
 
 Everything that reads or writes a master goes through :meth:`value` / :meth:`set`: state dicts,
 consolidation, repartition, ``master_model_state_dict`` and sharded checkpoints carry the
@@ -166,6 +169,11 @@ class RemainderMasters(_Masters):
                 self.versions[id(p)] = now
                 out.append(p)
         return out
+
+    def step_bytes(self, p: torch.Tensor) -> int:
+        """A bf16 param's joined master sits beside its upcast gradient in the step: twice
+        the bytes, so a chunk of ``master_grad_bucket_bytes`` holds both."""
+        return super().step_bytes(p) * (2 if id(p) in self._rem else 1)
 
     def load_grads(self, chunk: _Chunk) -> list[torch.Tensor]:
         """Step 1: the upcast grads, and the joined masters in the handles."""

@@ -178,7 +178,8 @@ def gather_full_state_dict(
         for gi, m in ms.items():
             masters[gi] = m.to(device)
     if parked is not None:
-        state = {**copy.deepcopy(parked.state), **state}
+        kept = copy.deepcopy(parked.state)  # a format-3 load may have parked compact moments
+        state = {**(kept if compact else {i: plain_state(st) for i, st in kept.items()}), **state}
         masters = {**{gi: m.clone() for gi, m in parked.masters.items()}, **masters}
     out: dict[str, Any] = {
         "state": dict(sorted(state.items())),

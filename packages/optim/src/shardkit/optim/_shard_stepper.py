@@ -42,8 +42,11 @@ bits) plus an int16 remainder (``_remainder.py``'s [Note: Exact 16-bit remainder
 views of one flat int16 buffer per device, 2 bytes per element where an fp32 master takes 4.
 The local optimizer keys its state by tensor object, so each such entry's ``master`` is a
 persistent fp32 *handle* that points at nothing outside the step (a stride-0 view of one
-element) and, during its bucket's step, at the joined master in the step's scratch (beside the
-upcast gradients: :meth:`ShardStepper.scratch_bytes` counts both); the stepped value is split
+element) and, during its bucket's step, at the joined master in the step's scratch, beside the
+upcast gradients; a bucket is stepped in as many parts as it takes to fit the scratch of fp32
+masters (:meth:`ShardStepper.scratch_bytes`: one bucket's upcast gradients), so remainders do
+not make the driver keep more staging memory (only a single piece larger than half of it
+needs more: its gradient and joined master at once). The stepped value is split
 back into the tensor (nearest, ties away from zero) and the remainder. Updates are bit for bit
 those of fp32 masters. Everything that reads or writes a master (state dicts, checkpoints,
 loads) goes through :meth:`ShardEntry.master_value` / :meth:`ShardEntry.set_master`, which
@@ -143,12 +146,18 @@ class ShardEntry:
                 if value is None:
                     self.remainder.zero_()
                 else:
-                    v = value.detach().to(self.tensor.device, torch.float32).reshape(
-                        self.tensor.shape
+                    v = (
+                        value.detach()
+                        .to(self.tensor.device, torch.float32)
+                        .reshape(self.tensor.shape)
                     )
-                    split_master(v.contiguous(), param_out=self.tensor, remainder_out=self.remainder)
+                    split_master(
+                        v.contiguous(), param_out=self.tensor, remainder_out=self.remainder
+                    )
             elif self.master is not None:
-                self.master.copy_(self.tensor if value is None else value.reshape(self.master.shape))
+                self.master.copy_(
+                    self.tensor if value is None else value.reshape(self.master.shape)
+                )
 
     def grad(self) -> torch.Tensor:
         """Its part of the bucket's reduced ``grad_shard`` (a view)."""
@@ -187,6 +196,10 @@ class ShardStepper:
         self.master_remainder = master_remainder
         """bf16 tensors keep an int16 remainder instead of an fp32 master ([Note: Remainder
         masters under ZeRO-2])."""
+        self._master_size = (
+            torch.empty((), dtype=master_dtype).element_size() if master_dtype is not None else 0
+        )
+        """Bytes of one ``master_dtype`` element (the upcast gradients')."""
         self._idle: dict[torch.device, torch.Tensor] = {}
         """Per device, the one fp32 element idle remainder handles are stride-0 views of."""
         self.factors = GradFactors()
@@ -292,13 +305,37 @@ class ShardStepper:
 
     def scratch_bytes(self) -> int:
         """Bytes of scratch one step needs: the upcast gradients of the largest bucket's tensors
-        with masters (0 without masters). See [Note: Stepping masters bucket by bucket]."""
+        with masters (0 without masters), or one remainder tensor's gradient and joined master
+        if that is more. See [Note: Stepping masters bucket by bucket]."""
         per_bucket: dict[int, int] = {}
+        largest = 0
         for e in self.all_entries():
-            if e.master is not None:  # the upcast grads, and a remainder's joined master
-                n = e.tensor.numel() * 4 * (2 if e.remainder is not None else 1)
+            if e.master is not None:
+                n = e.tensor.numel() * self._master_size
                 per_bucket[e.bucket.index] = per_bucket.get(e.bucket.index, 0) + n
-        return max(per_bucket.values(), default=0)
+                largest = max(largest, self._cost(e))
+        return max(max(per_bucket.values(), default=0), largest)
+
+    def _cost(self, e: ShardEntry) -> int:
+        """Scratch bytes of one entry's step: its upcast gradient, and its joined master when
+        it keeps a remainder ([Note: Remainder masters under ZeRO-2])."""
+        return e.tensor.numel() * self._master_size * (2 if e.remainder is not None else 1)
+
+    def _sub_chunks(self, chunk: list[ShardEntry]) -> list[list[ShardEntry]]:
+        """``chunk`` cut so that each part's scratch fits :meth:`scratch_bytes`: remainder
+        masters need their joined value beside the gradient, so a bucket of them is stepped
+        in two or more parts rather than borrowing twice the scratch of fp32 masters."""
+        budget = self.scratch_bytes()
+        parts: list[list[ShardEntry]] = [[]]
+        used = 0
+        for e in chunk:
+            cost = self._cost(e)
+            if parts[-1] and used + cost > budget:
+                parts.append([])
+                used = 0
+            parts[-1].append(e)
+            used += cost
+        return parts
 
     def state_bytes(self) -> int:
         """Bytes of masters and optimizer state held by this rank."""
@@ -361,7 +398,8 @@ class ShardStepper:
                 for e in plain:
                     e.tensor.grad = None
             for chunk in chunks.values():  # See [Note: Stepping masters bucket by bucket]
-                self._step_masters(local, chunk, scratch)
+                for part in self._sub_chunks(chunk):
+                    self._step_masters(local, part, scratch)
         finally:
             self.factors.clear()
 
@@ -388,10 +426,11 @@ class ShardStepper:
     ) -> None:
         """Upcasts the gradients of one bucket's masters into scratch (and joins the remainder
         masters beside them), steps them, casts (or splits) back."""
-        first = chunk[0].tensor
+        first = chunk[0].master
+        assert first is not None  # chunks hold entries with masters only
         numel = sum(e.tensor.numel() for e in chunk)
         joined = sum(e.tensor.numel() for e in chunk if e.remainder is not None)
-        both = _scratch(numel + joined, torch.float32, first.device, scratch)
+        both = _scratch(numel + joined, first.dtype, first.device, scratch)
         flat, values = both[:numel], both[numel:]
         off = joined_off = 0
         for e in chunk:
@@ -401,7 +440,9 @@ class ShardStepper:
             if e.remainder is not None:  # [Note: Remainder masters under ZeRO-2]
                 view = values[joined_off : joined_off + n].view(e.tensor.shape)
                 join_master(e.tensor.detach(), e.remainder, out=view)
-                master.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+                master.set_(
+                    view.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+                )
                 joined_off += n
             mg = flat[off : off + n].view(e.tensor.shape)
             mg.copy_(e.grad())

@@ -106,14 +106,15 @@ class ShardedOptimizer(Optimizer):
             (8-bit: about 2.03 bytes per param for both, 4-bit: 1.06; fp32: 8) for every param
             of at least 4096 elements, stepped bit for bit as the plain optimizer whose moments
             are requantized after each step; ZeRO-1, the overlap hook and ZeRO-2 (see [Note:
-            Compact state under ZeRO-1] and [Note: Block-aligned fragment buckets]). Needs ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params
-            or ``master_dtype=torch.float32``. ``None``: full precision.
+            Compact state under ZeRO-1] and [Note: Block-aligned fragment buckets]). Needs
+            ``optim=torch.optim.Adam`` / ``AdamW`` and fp32 params or
+            ``master_dtype=torch.float32``. ``None``: full precision.
         master_remainder: with ``master_dtype=torch.float32``, keep the master of each owned
             bf16 param as the param plus an int16 remainder (2 bytes per param instead of 4):
             bit for bit the masters and updates of plain fp32 masters, params rounded to
             nearest with ties away from zero (see [Note: Remainder masters under ZeRO-1] in
-            ``shardkit.optim._remainder_masters``). fp16 params keep full fp32 masters. ZeRO-1
-            and the overlap hook; not under ShardedDataParallel.
+            ``shardkit.optim._remainder_masters``; under ShardedDataParallel [Note: Remainder
+            masters under ZeRO-2]). fp16 params keep full fp32 masters.
         **defaults: the wrapped optimizer's arguments (``lr``, ``momentum``, ...).
 
     Raises:
