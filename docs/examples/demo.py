@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             train(args)
         finally:
+            gc.collect()  # the wrappers' reference cycles hold the group: free it before exit
             dist.destroy_process_group()
         return 0
 

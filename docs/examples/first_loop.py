@@ -14,6 +14,7 @@ dict (loads into torch.optim.AdamW without shardkit).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -109,6 +110,7 @@ def main() -> int:
         try:
             train(out)
         finally:
+            gc.collect()  # the wrappers' reference cycles hold the group: free it before exit
             dist.destroy_process_group()
         return 0
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
