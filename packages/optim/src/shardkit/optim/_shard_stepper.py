@@ -224,6 +224,8 @@ class ShardStepper:
                 for i, p in b.owned_params(rank):
                     self.entries[b.group].append(ShardEntry(b, i, b.offsets[i] - start, p, None))
         self._make_masters()
+        self._budget = self.scratch_bytes()
+        """:meth:`scratch_bytes`, for :meth:`_sub_chunks` (the entries are fixed)."""
         groups = [
             {**hyperparams(g), "params": [e.opt for e in es]}
             for g, es in zip(param_groups, self.entries, strict=True)
@@ -325,7 +327,7 @@ class ShardStepper:
         """``chunk`` cut so that each part's scratch fits :meth:`scratch_bytes`: remainder
         masters need their joined value beside the gradient, so a bucket of them is stepped
         in two or more parts rather than borrowing twice the scratch of fp32 masters."""
-        budget = self.scratch_bytes()
+        budget = self._budget
         parts: list[list[ShardEntry]] = [[]]
         used = 0
         for e in chunk:
