@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from typing import Any
@@ -28,13 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from shardkit.testing import free_port
 from torch import nn
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(
@@ -70,7 +64,7 @@ def _worker(
         times.append(time.perf_counter() - t0)
     sdp.wait_params()
     live = sum(live_storages(extra=[p.grad for p in model.parameters()]).values())
-    state = sum(g.stepper.state_bytes() for g in [opt.driver])  # type: ignore[attr-defined]
+    state = opt.driver.stepper.state_bytes()  # type: ignore[union-attr]
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"live": live / n, "state": state / n, "step": sorted(times[2:])[0]}, f)
@@ -81,7 +75,7 @@ def _worker(
 def _measure(world: int, kind: str | None, masters: str, lean: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        args = (world, _port(), kind, masters, lean, out)
+        args = (world, free_port(), kind, masters, lean, out)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
         with open(out) as f:
             result: dict[str, float] = json.load(f)

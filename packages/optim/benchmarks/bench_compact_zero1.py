@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from shardkit.testing import free_port
 from torch import nn
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, kind: str | None, masters: str, out: str) -> None:
@@ -74,7 +68,7 @@ def _worker(rank: int, world: int, port: int, kind: str | None, masters: str, ou
 def _measure(world: int, kind: str | None, masters: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(world, _port(), kind, masters, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), kind, masters, out), nprocs=world, join=True)
         with open(out) as f:
             result: dict[str, float] = json.load(f)
     return result

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from shardkit.optim import ShardedOptimizer, save_sharded
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveStorages", "assert_state_equal", "train"]
+__all__ = ["LiveStorages", "assert_state_equal", "save_run", "train"]
 
 
 def train(
@@ -29,6 +32,15 @@ def train(
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+
+
+def save_run(model: nn.Module, opt: ShardedOptimizer, path: Path) -> None:
+    """A run's checkpoint: ``save_sharded(opt, path)`` and, from rank 0, the model's weights in
+    ``<path>.model.pt``; returns when every rank is done. Collective."""
+    save_sharded(opt, path)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path.with_name(path.name + ".model.pt"))
+    dist.barrier()
 
 
 def assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:

@@ -20,7 +20,8 @@ from _compact_testkit import groups as _groups
 from _compact_testkit import loss as _loss
 from _compact_testkit import model as _model
 from _compact_testkit import train as _train
-from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
+from _optim_testkit import save_run
+from shardkit.optim import ShardedOptimizer, load_sharded
 from shardkit.optim._compact import CompactTensor
 from shardkit.testing import world
 
@@ -103,10 +104,7 @@ def test_save_world2(ckpt_root: Path) -> None:
     model = _model()
     opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, compact_state="int4", lr=1e-2)
     _train(model, opt, _K)
-    save_sharded(opt, ckpt_root / "w2")
-    if dist.get_rank() == 0:
-        torch.save(model.state_dict(), ckpt_root / "w2.model.pt")
-    dist.barrier()
+    save_run(model, opt, ckpt_root / "w2")
 
 
 @world(1)

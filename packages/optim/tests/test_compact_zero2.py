@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from _compact_testkit import J, K, Reference, equal, groups, loss, model, train
+from _optim_testkit import save_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardkit.ddp import ShardedDataParallel
-from shardkit.optim import ShardedOptimizer, build_flat_buckets, load_sharded, save_sharded
+from shardkit.optim import ShardedOptimizer, build_flat_buckets, load_sharded
 from shardkit.optim._compact import CompactTensor, stores_compact
 from shardkit.optim._flat import compact_block
 from shardkit.testing import world
@@ -141,10 +142,7 @@ def test_zero2_save_world2(ckpt_root: Path) -> None:
     sdp, opt = _wrap(m, "int8", torch.optim.AdamW, False, lr=1e-2)
     train(sdp, opt, K)
     sdp.wait_params()
-    save_sharded(opt, ckpt_root / "w2")
-    if dist.get_rank() == 0:
-        torch.save(m.state_dict(), ckpt_root / "w2.model.pt")
-    dist.barrier()
+    save_run(m, opt, ckpt_root / "w2")
 
 
 def _resume(ckpt_root: Path, zero2: bool) -> None:

@@ -410,7 +410,7 @@ def test_load_without_masters_takes_the_live_params_and_mismatches_raise() -> No
     opt.load_state_dict(without)
     assert opt._local.masters is not None
     for p in opt.owned_params:
-        m = opt._local.masters.get(p)
+        m = opt._local.masters.value(p)
         assert m is not None and torch.equal(m, p.float())
 
 

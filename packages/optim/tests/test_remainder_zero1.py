@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
+from _optim_testkit import save_run
+from shardkit.optim import ShardedOptimizer, load_sharded
 from shardkit.optim._compact import CompactTensor
 from shardkit.optim._remainder import split_master
 from shardkit.optim._remainder_masters import RemainderMasters
@@ -257,10 +258,7 @@ def test_save_world2(ckpt_root: Path) -> None:
     model = _model()
     opt = _opt(model, "adamw", True, master_grad_bucket_bytes=256)
     _train(model, opt, _K)
-    save_sharded(opt, ckpt_root / "w2")
-    if dist.get_rank() == 0:
-        torch.save(model.state_dict(), ckpt_root / "w2.model.pt")
-    dist.barrier()
+    save_run(model, opt, ckpt_root / "w2")
 
 
 @world(1)

@@ -252,7 +252,7 @@ def _on(value: CompactTensor, device: torch.device) -> CompactTensor:
 def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` (a plain torch optimizer dict) with every ``CompactTensor`` in its
     ``"state"`` dequantized to an fp32 tensor: what a plain optimizer, or one without
-    ``compact_state``, loads. The same dict when it holds none (no copy)."""
+    ``compact_state``, loads. A shallow copy: the caller's dict is not modified."""
     state = state_dict.get("state")
     if not isinstance(state, Mapping) or not any(
         isinstance(v, CompactTensor)

@@ -217,10 +217,6 @@ class _Masters:
         ``master_dtype`` masters are live) or, for remainder masters, a new joined tensor."""
         return self._master.get(id(p))
 
-    def get(self, p: torch.Tensor) -> torch.Tensor | None:
-        """Same as :meth:`value`."""
-        return self.value(p)
-
     def set(self, p: torch.Tensor, value: torch.Tensor | None) -> None:
         """Sets ``p``'s master (it has one) to ``value`` exactly, or to the live param."""
         with torch.no_grad():
