@@ -14,6 +14,7 @@ Depends on torch alone (NumPy for saves and loads across ranks, as DCP needs it)
 """
 
 from shardkit.checkpoint.__about__ import __version__
+from shardkit.checkpoint._agree import checkpoint_error
 from shardkit.checkpoint._api import Checkpoint, load, open_checkpoint, save
 from shardkit.checkpoint._commit import checksum
 from shardkit.checkpoint._describe import describe
@@ -38,6 +39,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifyReport",
     "__version__",
+    "checkpoint_error",
     "checksum",
     "describe",
     "from_record",

@@ -26,7 +26,7 @@ from shardkit.checkpoint._errors import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["ERROR_TYPES", "Outcome", "agree", "gather", "outcome", "unwrap"]
+__all__ = ["ERROR_TYPES", "Outcome", "agree", "checkpoint_error", "gather", "outcome", "unwrap"]
 
 Outcome: TypeAlias = tuple[str, str] | None
 """One rank's outcome: ``(error type name, message)``, or ``None`` when it succeeded."""
@@ -83,6 +83,44 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: st
         :data:`ERROR_TYPES`), its message prefixed with ``what`` and the rank.
     """
     _raise_first(gather(outcome(error), group), what)
+
+
+def checkpoint_error(error: BaseException) -> BaseException:
+    """The error a checkpoint load or save failed with, out of DCP's wrapping.
+
+    ``torch.distributed.checkpoint.load`` / ``save`` raise ``CheckpointException`` holding every
+    failing rank's exception; this returns the first failing rank's (by rank) shardkit error
+    (``UnsafeCheckpointError``, ``ChecksumError``, ``CheckpointMismatchError``, ...) when it is
+    one, else that rank's exception, and ``error`` itself when it is not DCP's wrapper::
+
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        except CheckpointException as e:
+            cause = checkpoint_error(e)
+            if isinstance(cause, UnsafeCheckpointError):
+                ...  # a damaged or crafted checkpoint, refused
+
+    Args:
+        error: what ``dcp.load`` / ``dcp.save`` (or anything else) raised.
+
+    Returns:
+        The typed error (the very exception object on the rank that raised it; a copy of it
+        on the others, as DCP gathers them).
+    """
+    if not isinstance(error, CheckpointException):
+        return error
+    failures = error.failures if isinstance(error.failures, dict) else {}
+    first: BaseException | None = None
+    for rank in sorted(failures):
+        inner = failures[rank]
+        exc = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(exc, tuple(ERROR_TYPES.values())) and type(exc).__module__.startswith(
+            "shardkit."
+        ):
+            return exc
+        if first is None and isinstance(exc, BaseException):
+            first = exc
+    return error if first is None else first
 
 
 def unwrap(e: CheckpointException, what: str) -> Exception:

@@ -31,10 +31,11 @@ from shardkit.checkpoint._commit import (
     StorageKey,
     crc32_range,
     read_commit_record,
-    resolve,
+    resolve_location,
     storage_checksums,
 )
 from shardkit.checkpoint._errors import CheckpointSaveError, UnsafeCheckpointError
+from shardkit.checkpoint._fs import Location
 from shardkit.checkpoint._metadata import check_storage, read_safe_metadata
 from shardkit.checkpoint._reader import SafeFileSystemReader, check_checksum_keys
 from shardkit.checkpoint._records import dumps_json
@@ -72,6 +73,14 @@ class Checkpoint:
     ``allow_missing_commit_record=True``."""
 
     @property
+    def location(self) -> Location:
+        """The committed version as a :class:`~shardkit.checkpoint._fs.Location` below
+        ``path`` (see [Note: No path leaves the checkpoint])."""
+        if self.version == self.path:
+            return Location(self.path)
+        return Location(self.path, (self.version.name,))
+
+    @property
     def storage_checksums(self) -> dict[StorageKey, int] | None:
         """CRC-32 of every stored chunk by ``(item, chunk offsets)``; ``None`` without a record
         of layout ``shardkit.checkpoint/1`` (shardkit-optim 0.3 and earlier wrote item
@@ -81,7 +90,7 @@ class Checkpoint:
     def reader(self, *, allow_pickle: bool = False) -> SafeFileSystemReader:
         """A :class:`SafeFileSystemReader` of the committed version, checking its CRC-32s."""
         return SafeFileSystemReader(
-            self.version,
+            self.location,
             allow_pickle=allow_pickle,
             checksums=self.storage_checksums,
             allow_missing_commit_record=self.storage_checksums is None,
@@ -108,7 +117,7 @@ def open_checkpoint(
             not fit the files (``ChecksumError``: the chunks and the CRC-32s do not match).
     """
     root = Path(path)
-    version = resolve(root, require_marker=not allow_missing_commit_record)
+    version = resolve_location(root, require_marker=not allow_missing_commit_record)
     metadata = read_safe_metadata(version)
     record: dict[str, Any] | None
     try:
@@ -125,8 +134,8 @@ def open_checkpoint(
     check_storage(metadata, version)
     sums = storage_checksums(record)
     if sums is not None:
-        check_checksum_keys(metadata, sums, str(version))
-    return Checkpoint(root, version, metadata, record)
+        check_checksum_keys(metadata, sums, str(version.path))
+    return Checkpoint(root, version.path, metadata, record)
 
 
 def _distributed() -> bool:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import CheckpointNotFoundError, UnsafeCheckpointError
+from shardkit.checkpoint._fs import Location, as_location
 from shardkit.checkpoint._metadata import read_safe_metadata
 from shardkit.checkpoint._records import dumps_json, loads_json, tensor_bytes
 
@@ -59,6 +60,7 @@ __all__ = [
     "crc32_range",
     "read_commit_record",
     "resolve",
+    "resolve_location",
     "storage_checksums",
     "storage_key",
     "verify_files",
@@ -206,13 +208,16 @@ def remove_old_versions(final: Path, keep: str) -> None:
             p.unlink(missing_ok=True)  # a converted 0.1 checkpoint
 
 
-def _read_pointer(pointer: Path) -> str:
-    with open(pointer, "rb") as f:
-        return f.read(128).decode("utf-8", "replace").strip()  # a version name is 34 bytes
-
-
 def resolve(path: Path, require_marker: bool = True) -> Path:
-    """The committed version directory of the checkpoint at ``path``.
+    """The committed version directory of the checkpoint at ``path`` (see
+    :func:`resolve_location`)."""
+    return resolve_location(path, require_marker).path
+
+
+def resolve_location(path: str | os.PathLike[str], require_marker: bool = True) -> Location:
+    """The committed version directory of the checkpoint at ``path``, as a :class:`Location`
+    below it (nothing below ``path`` followed as a link: see [Note: No path leaves the
+    checkpoint]).
 
     Args:
         path: the checkpoint directory.
@@ -221,25 +226,27 @@ def resolve(path: Path, require_marker: bool = True) -> Path:
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+        UnsafeCheckpointError: ``LATEST``, the version or its commit record is a link.
     """
-    pointer = path / POINTER
-    if pointer.is_file():
-        name = _read_pointer(pointer)
-        version = path / name
-        if not _VERSION.match(name) or not version.is_dir():
+    root = as_location(path)
+    path = root.path
+    if root.is_file(POINTER):
+        name = root.read(POINTER, 128).decode("utf-8", "replace").strip()  # a name: 34 bytes
+        if not _VERSION.match(name) or not root.is_dir(name):
             raise CheckpointNotFoundError(
                 f"{path}/{POINTER} names {describe(name)}, which is not a version there; the "
                 f"checkpoint directory was modified by hand or is damaged"
             )
-        if require_marker and not (version / MARKER).is_file():
+        version = root.child(name)
+        if require_marker and not version.is_file(MARKER):
             raise CheckpointNotFoundError(
                 f"{version} has no commit record ({MARKER}): the checkpoint is damaged (its "
                 f"payloads cannot be verified against it). Pass "
                 f"allow_missing_commit_record=True to load it anyway (see its docstring)."
             )
         return version
-    if (path / MARKER).is_file():
-        return path  # written by shardkit-optim 0.1
+    if root.is_file(MARKER):
+        return root  # written by shardkit-optim 0.1
     raise CheckpointNotFoundError(
         f"{path} is not a committed shardkit checkpoint: it has neither a {POINTER} pointer nor "
         f"a {MARKER} commit record (a save to it never completed, or it was not written by a "
@@ -255,7 +262,7 @@ def resolve(path: Path, require_marker: bool = True) -> Path:
 # ``allow_missing_commit_record=True`` loads such a checkpoint unverified, logging a warning
 # (shardkit-optim's format 2 is then still verified item by item against the checksums its own
 # ``shardkit/header`` record carries: see its [Note: Optimizer checkpoint records]).
-def read_commit_record(version: Path) -> dict[str, Any]:
+def read_commit_record(version: Location | str | os.PathLike[str]) -> dict[str, Any]:
     """The commit record of a version, its ``layout`` fields checked.
 
     A record of layout :data:`LAYOUT` holds ``token`` (32 hex digits: the save's id, also the
@@ -268,15 +275,16 @@ def read_commit_record(version: Path) -> dict[str, Any]:
         UnsafeCheckpointError: the record is missing, empty, not JSON, not an object, or a
             ``layout`` field is malformed. See [Note: Commit record required].
     """
-    marker = version / MARKER
+    where = as_location(version)
+    marker = where.path / MARKER
     hint = (
         "the checkpoint is damaged; pass allow_missing_commit_record=True to load it anyway "
         "(see its docstring for what is then verified)"
     )
-    if not marker.is_file():  # absent, or a FIFO/device that would block
+    if not where.is_file(MARKER):  # absent, or a FIFO/device that would block
         raise UnsafeCheckpointError(f"{marker} (the commit record) is not a regular file; {hint}")
     try:
-        raw = marker.read_bytes()
+        raw = where.read(MARKER)
     except OSError as e:
         raise UnsafeCheckpointError(
             f"{marker} cannot be read ({type(e).__name__}: {e}); {hint}"

@@ -5,8 +5,9 @@ Every buffer a load allocates for a stored item must be backed by distinct bytes
 ``.metadata`` that declares a terabyte tensor is refused before anything is allocated, not
 allocated: :func:`check_storage` requires, for every item of the metadata, that each stored
 chunk holds at least its declared bytes (numel times itemsize) and at most that plus
-``torch.save``'s framing (:data:`FRAMING`), that the chunks of a tensor cover exactly its
-elements, that every span lies inside its file, and that no two spans share a byte of a file.
+``torch.save``'s framing (:data:`FRAMING`), that the chunks of a tensor tile it exactly (see
+[Note: Exact tiling]), that every span lies inside its file, and that no two spans share a byte
+of a file.
 The memory a load allocates is then bounded by the bytes of the checkpoint's files, plus the
 tensors of the destination state dict the caller owns (see [Note: Load checks]).
 """
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+import struct
 from typing import Any
 
 import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import UnsafeCheckpointError
+from shardkit.checkpoint._fs import Location, as_location
 from shardkit.checkpoint._torch_compat import STORAGE_INFO
 from shardkit.checkpoint._unpickle import UnsafePickleError, restricted_loads
 from torch.distributed.checkpoint.metadata import (
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 __all__ = [
     "FRAMING",
     "check_storage",
+    "check_tiling",
     "chunk_nbytes",
     "numel",
     "read_safe_metadata",
@@ -223,19 +226,26 @@ def validate_metadata(md: Any, what: str) -> Metadata:
 # None of this compares the checkpoint with the destination: the caller's state dict does (DCP
 # copies into the tensors it holds; ``shardkit.checkpoint.load`` checks every entry against it
 # first, see [Note: Load checks]).
-def read_safe_metadata(directory: str | os.PathLike[str], name: str = ".metadata") -> Metadata:
+def read_safe_metadata(
+    directory: Location | str | os.PathLike[str], name: str = ".metadata"
+) -> Metadata:
     """DCP metadata of ``directory``, read through the allow-list and validated.
 
     Raises:
-        UnsafeCheckpointError: the file is missing, not a regular file, or not DCP metadata.
+        UnsafeCheckpointError: the file is missing, a link (see [Note: No path leaves the
+            checkpoint]), not a regular file, or not DCP metadata.
     """
-    path = Path(directory) / name
-    if not path.is_file():  # absent, or a FIFO or device that would block or never end
+    where = as_location(directory)
+    path = where.path / name
+    try:
+        data = where.read(name)
+    except (FileNotFoundError, NotADirectoryError, UnsafeCheckpointError) as e:
+        if isinstance(e, UnsafeCheckpointError) and "symbolic link" in str(e):
+            raise
         raise UnsafeCheckpointError(
             f"{path} is missing or not a regular file; the checkpoint is damaged (or the "
             f"directory is not a torch.distributed.checkpoint checkpoint)"
-        )
-    data = path.read_bytes()
+        ) from None
     try:
         md = restricted_loads(data, str(path))
     except UnsafePickleError as e:
@@ -243,7 +253,55 @@ def read_safe_metadata(directory: str | os.PathLike[str], name: str = ".metadata
     return validate_metadata(md, str(path))
 
 
-def check_storage(metadata: Metadata, directory: str | os.PathLike[str]) -> None:
+# [Note: Exact tiling]
+# The chunks of a tensor must cover each of its elements exactly once: a gap leaves elements at
+# whatever the destination held, an overlap lets one chunk's bytes silently override another's,
+# and "the chunks hold as many elements as the tensor" accepts both at once ([0, 8) and
+# [4, 12) of 16). Each chunk lies inside the tensor (``_check_tensor_item``); then the sum of
+# the chunks' indicator functions equals the tensor's iff their mixed finite differences are
+# equal (the difference operator is invertible on functions of bounded support), and the mixed
+# difference of a box's indicator is +-1 at its 2**d corners and 0 elsewhere. So the signed
+# corners of all chunks, added up, must be exactly the tensor's own: linear in the number of
+# chunks (times 2**d, d the number of dimensions along which some chunk does not span the whole
+# tensor), in any number of dimensions. Corners are keyed by their bytes (randomised hashes: a
+# crafted set of corners cannot flood the dict).
+def check_tiling(size: Any, chunks: list[tuple[Any, Any]], what: str) -> None:
+    """The boxes ``(offsets, sizes)`` inside ``size`` tile it exactly. See [Note: Exact tiling].
+
+    Raises:
+        UnsafeCheckpointError: a gap or an overlap, or more split dimensions than the work
+            bound admits.
+    """
+    dims = [d for d in range(len(size)) if any(o[d] != 0 or s[d] != size[d] for o, s in chunks)]
+    if any(size[d] == 0 for d in range(len(size))):
+        return  # an empty tensor: every chunk inside it is empty too
+    if len(chunks) << len(dims) > max(1 << 22, 64 * len(chunks)):
+        raise _fail(
+            what,
+            f"its {len(chunks)} chunks split it along {len(dims)} dimensions, beyond the work "
+            f"bound of an exact tiling check",
+        )
+    pack = struct.Struct(f"<{len(dims)}q").pack
+    total: dict[bytes, int] = {}
+    for offsets, sizes in chunks:
+        if any(sizes[d] == 0 for d in range(len(size))):
+            continue  # an empty chunk covers nothing
+        for mask in range(1 << len(dims)):
+            corner = [offsets[d] + (sizes[d] if mask >> i & 1 else 0) for i, d in enumerate(dims)]
+            key = pack(*corner)
+            total[key] = total.get(key, 0) + (-1 if bin(mask).count("1") & 1 else 1)
+    for mask in range(1 << len(dims)):
+        corner = [size[d] if mask >> i & 1 else 0 for i, d in enumerate(dims)]
+        key = pack(*corner)
+        total[key] = total.get(key, 0) - (-1 if bin(mask).count("1") & 1 else 1)
+    if any(total.values()):
+        raise _fail(
+            what,
+            f"its {len(chunks)} chunks do not tile it exactly (they overlap or leave a gap)",
+        )
+
+
+def check_storage(metadata: Metadata, directory: Location | str | os.PathLike[str]) -> None:
     """Every item of validated ``metadata`` is backed by distinct bytes of the files in
     ``directory``. See [Note: Disk-backed sizes].
 
@@ -254,7 +312,6 @@ def check_storage(metadata: Metadata, directory: str | os.PathLike[str]) -> None
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            covered = 0
             for c in md.chunks:
                 info = metadata.storage_data[MetadataIndex(key, c.offsets)]
                 nbytes = chunk_nbytes(md, c)
@@ -264,20 +321,17 @@ def check_storage(metadata: Metadata, directory: str | os.PathLike[str]) -> None
                         f"a chunk declares {nbytes} bytes stored in {info.length}: the sizes "
                         f"do not match",
                     )
-                covered += numel(c.sizes)
                 spans.setdefault(info.relative_path, []).append((info.offset, info.length, key))
-            if covered != numel(md.size):
-                raise _fail(
-                    f"checkpoint item {describe(key)}",
-                    f"its chunks hold {covered} elements of {numel(md.size)}",
-                )
+            check_tiling(
+                md.size, [(c.offsets, c.sizes) for c in md.chunks], f"checkpoint item {describe(key)}"
+            )
         else:
             info = metadata.storage_data[MetadataIndex(key)]
             spans.setdefault(info.relative_path, []).append((info.offset, info.length, key))
-    root = Path(directory)
+    where = as_location(directory)
     for rel, items in sorted(spans.items()):
-        f = root / rel
-        size = f.stat().st_size if f.is_file() else -1
+        f = where.path / rel
+        size = where.size(rel)
         end = 0
         for offset, length, key in sorted(items):
             if offset < end:

@@ -38,6 +38,7 @@ import enum
 import gc
 import pathlib
 import struct
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +50,15 @@ from shardkit.checkpoint._errors import UnsafeCheckpointError
 from shardkit.checkpoint._torch_compat import MEM_FORMAT, STORAGE_INFO
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["DATACLASSES", "UnsafePickleError", "restricted_loads"]
+__all__ = [
+    "DATACLASSES",
+    "MAX_SHARED_HASH",
+    "Global",
+    "UnsafePickleError",
+    "flat_set",
+    "restricted_loads",
+    "work_budget",
+]
 
 
 class UnsafePickleError(UnsafeCheckpointError):
@@ -120,13 +129,25 @@ def _path(kind: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
     return make
 
 
-class _Global:
-    """A resolved allowed global: a safe constructor (REDUCE), a class (NEWOBJ) or a value."""
+class Global:
+    """A resolved allowed global: a safe constructor (REDUCE), a class (NEWOBJ) or a value.
+
+    Args:
+        name: ``module.name`` as the pickle wrote it.
+        call: the constructor REDUCE runs instead of the global: it checks its arguments before
+            it builds anything.
+        cls: a DCP metadata dataclass NEWOBJ may create.
+        needs_machine: ``call`` takes the machine first (to charge work or check keys).
+    """
 
     def __init__(
-        self, name: str, call: Callable[..., Any] | None = None, cls: type | None = None
+        self,
+        name: str,
+        call: Callable[..., Any] | None = None,
+        cls: type | None = None,
+        needs_machine: bool = False,
     ) -> None:
-        self.name, self.call, self.cls = name, call, cls
+        self.name, self.call, self.cls, self.needs_machine = name, call, cls, needs_machine
 
 
 _CALLABLES: dict[tuple[str, str], Callable[..., Any]] = {
@@ -144,9 +165,9 @@ def _resolve(module: str, name: str) -> Any:
     """An allowed global, or raises; nothing is imported. See [Note: Allow-list unpickling]."""
     key = (module, name)
     if key in _CALLABLES:
-        return _Global(f"{module}.{name}", call=_CALLABLES[key])
+        return Global(f"{module}.{name}", call=_CALLABLES[key])
     if key in DATACLASSES:
-        return _Global(f"{module}.{name}", cls=DATACLASSES[key])
+        return Global(f"{module}.{name}", cls=DATACLASSES[key])
     # vars(), not getattr(): torch's module __getattr__ imports submodules on demand
     value = vars(torch).get(name) if module == "torch" else None
     if isinstance(value, (torch.dtype, torch.layout)):
@@ -215,23 +236,47 @@ def _check_index(ix: Any) -> None:
         )
 
 
-def _flat_key(k: Any, op: str) -> Any:
-    """``k`` if hashing and comparing it is bounded: see [Note: Bounded work on untrusted input]."""
-    if type(k) in _FLAT_KEYS or type(k) is torch.Size:  # Size: non-negative ints (_size)
-        return k
+def _key_cost(k: Any, op: str) -> int:
+    """The work of hashing ``k`` once, if it is flat: see [Note: Bounded work on untrusted
+    input]."""
+    if type(k) in _FLAT_KEYS:
+        return 1
+    if type(k) is torch.Size:  # non-negative ints (_size)
+        return 1 + len(k)
     if type(k) is MetadataIndex and "fqn" in k.__dict__:  # checked by BUILD (_check_index)
-        return k
+        offset = k.__dict__.get("offset")
+        return 2 + (0 if offset is None else len(offset))
+    if type(k) is tuple and all(type(x) in _FLAT_KEYS for x in k):
+        return 1 + len(k)
     raise UnsafePickleError(
         f"{op}: a key of type {type(k).__name__} is not allowed (dict keys and set items must "
-        f"be strs, bytes, numbers, None, dtypes, torch.Size or DCP MetadataIndex)"
+        f"be strs, bytes, numbers, None, dtypes, torch.Size, DCP MetadataIndex or flat tuples "
+        f"of those: hashing a nested key could walk a 'billion laughs' structure)"
     )
 
 
 _MAX_LINE = 1 << 16
+MAX_SHARED_HASH = 16
+"""The most keys of one dict or set that may share one hash value (see [Note: Hash flooding])."""
+_DICTS = (dict, OrderedDict)
+
+# [Note: Hash flooding]
+# Python randomises the hashes of strs and bytes, but not of ints, floats or tuples of them:
+# ``1 + k * (2**61 - 1)`` hashes to 1 for every k, so a dict built from 60,000 such keys (780 KB
+# of pickle) probes every earlier key at each insert, quadratic work (no answer in 20 s). The
+# unpickler counts, per container, the keys sharing each hash value and refuses the
+# (MAX_SHARED_HASH + 1)-th: an insert then compares at most MAX_SHARED_HASH keys, and the
+# counters themselves are keyed by the hash values, ints below 2**61 that hash to themselves
+# (distinct values never collide there). Real state never has two keys of one hash.
 
 
 class _Machine:
-    def __init__(self, data: bytes) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        resolve: Callable[[str, str], Any],
+        persistent: Callable[[Any], Any] | None,
+    ) -> None:
         self.raw = bytes(data)
         self.data = memoryview(self.raw)
         self.pos = 0
@@ -239,6 +284,37 @@ class _Machine:
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
         self.built: set[int] = set()
+        self.resolve = resolve
+        self.persistent = persistent
+        self.work = 0
+        self.budget = work_budget(len(self.raw))
+        self.shared: dict[int, dict[int, int]] = {}  # id(container) -> {hash: keys}
+
+    def charge(self, units: int, op: str) -> None:
+        """Counts work beyond one step per opcode; refuses past the budget (see [Note: Bounded
+        work on untrusted input])."""
+        self.work += units
+        if self.work > self.budget:
+            raise UnsafePickleError(
+                f"{op} at offset {self.pos}: the pickle asks for more than {self.budget} units "
+                f"of work ({len(self.raw)} bytes may ask for 64 per byte): a structure built to "
+                f"explode"
+            )
+
+    def key(self, container: object, k: Any, op: str) -> Any:
+        """``k`` as a key of ``container`` if it is flat and fewer than MAX_SHARED_HASH other
+        keys share its hash (see [Note: Hash flooding])."""
+        self.charge(_key_cost(k, op), op)
+        h = hash(k)
+        counts = self.shared.setdefault(id(container), {})
+        n = counts.get(h, 0) + 1
+        if n > MAX_SHARED_HASH:
+            raise UnsafePickleError(
+                f"{op} at offset {self.pos}: more than {MAX_SHARED_HASH} keys of one container "
+                f"share a hash value (hash flooding)"
+            )
+        counts[h] = n
+        return k
 
     def read(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
@@ -298,30 +374,43 @@ class _Machine:
 
 def _op_global(m: _Machine) -> None:
     module, name = m.line().decode("utf-8"), m.line().decode("utf-8")
-    m.stack.append(_resolve(module, name))
+    m.stack.append(m.resolve(module, name))
 
 
 def _op_stack_global(m: _Machine) -> None:
     name, module = m.pop(), m.pop()
     if type(module) is not str or type(name) is not str:
         raise UnsafePickleError("STACK_GLOBAL needs two strs")
-    m.stack.append(_resolve(module, name))
+    m.stack.append(m.resolve(module, name))
 
 
 def _name(v: Any) -> str:
-    return v.name if isinstance(v, _Global) else type(v).__name__
+    return v.name if isinstance(v, Global) else type(v).__name__
 
 
 def _op_reduce(m: _Machine) -> None:
     args, fn = m.pop(), m.pop()
-    if not isinstance(fn, _Global) or fn.call is None or type(args) is not tuple:
+    if not isinstance(fn, Global) or fn.call is None or type(args) is not tuple:
         raise UnsafePickleError(f"REDUCE of {_name(fn)} is not allowed")
-    m.stack.append(fn.call(*args))
+    # an allowed callable's work is that of its arguments: charged before it runs, so a few
+    # bytes calling it again and again on one shared list cannot cost seconds
+    m.charge(1 + sum(len(a) for a in args if isinstance(a, _SIZED)), fn.name)
+    m.stack.append(fn.call(m, *args) if fn.needs_machine else fn.call(*args))
+
+
+_SIZED = (str, bytes, bytearray, tuple, list, dict, set, frozenset)
+
+
+def _op_binpersid(m: _Machine) -> None:
+    pid = m.pop()
+    if m.persistent is None:
+        raise UnsafePickleError(f"persistent id at offset {m.pos} is not allowed")
+    m.stack.append(m.persistent(pid))
 
 
 def _op_newobj(m: _Machine) -> None:
     args, cls = m.pop(), m.pop()
-    if not isinstance(cls, _Global) or cls.cls is None or type(args) is not tuple or args:
+    if not isinstance(cls, Global) or cls.cls is None or type(args) is not tuple or args:
         raise UnsafePickleError(f"NEWOBJ of {_name(cls)} with {describe(args)} is not allowed")
     m.stack.append(object.__new__(cls.cls))
 
@@ -333,23 +422,27 @@ def _op_build(m: _Machine) -> None:
 
 def _op_setitems(m: _Machine) -> None:
     items = m.pop_mark()
-    d = m.top(dict, "SETITEMS")
+    d = m.top(_DICTS, "SETITEMS")
     if len(items) % 2:
         raise UnsafePickleError("SETITEMS with an odd number of items")
     for i in range(0, len(items), 2):
-        d[_flat_key(items[i], "SETITEMS")] = items[i + 1]
+        d[m.key(d, items[i], "SETITEMS")] = items[i + 1]
 
 
 def _op_setitem(m: _Machine) -> None:
     v, k = m.pop(), m.pop()
-    m.top(dict, "SETITEM")[_flat_key(k, "SETITEM")] = v
+    d = m.top(_DICTS, "SETITEM")
+    d[m.key(d, k, "SETITEM")] = v
 
 
 def _op_dict(m: _Machine) -> None:
     items = m.pop_mark()
     if len(items) % 2:
         raise UnsafePickleError("DICT with an odd number of items")
-    m.stack.append({_flat_key(items[i], "DICT"): items[i + 1] for i in range(0, len(items), 2)})
+    d: dict[Any, Any] = {}
+    for i in range(0, len(items), 2):
+        d[m.key(d, items[i], "DICT")] = items[i + 1]
+    m.stack.append(d)
 
 
 def _push(value: Callable[[_Machine], Any]) -> Callable[[_Machine], None]:
@@ -423,11 +516,20 @@ def _appends(m: _Machine) -> None:
 
 def _additems(m: _Machine) -> None:
     items = m.pop_mark()
-    m.top(set, "ADDITEMS").update(_flat_key(k, "ADDITEMS") for k in items)
+    s = m.top(set, "ADDITEMS")
+    s.update(m.key(s, k, "ADDITEMS") for k in items)
+
+
+def flat_set(m: _Machine, items: Any, op: str) -> set[Any]:
+    """A set of ``items`` (an iterable the machine built), each a flat key (see [Note: Hash
+    flooding])."""
+    out: set[Any] = set()
+    out.update(m.key(out, k, op) for k in items)
+    return out
 
 
 def _frozenset(m: _Machine) -> frozenset[Any]:
-    return frozenset(_flat_key(k, "FROZENSET") for k in m.pop_mark())
+    return frozenset(flat_set(m, m.pop_mark(), "FROZENSET"))
 
 
 def _tuple_n(n: int) -> Callable[[_Machine], None]:
@@ -533,6 +635,7 @@ _OPS: dict[bytes, Callable[[_Machine], Any]] = {
     b"c": _op_global,
     b"\x93": _op_stack_global,
     b"R": _op_reduce,
+    b"Q": _op_binpersid,
     b"\x81": _op_newobj,
     b"b": _op_build,
     b"p": _memo_put(_line_int),
@@ -545,12 +648,27 @@ _OPS: dict[bytes, Callable[[_Machine], Any]] = {
 }
 
 
-def restricted_loads(data: bytes, what: str) -> Any:
+def work_budget(nbytes: int) -> int:
+    """The work a pickle of ``nbytes`` bytes may ask for beyond one step per opcode: 64 units
+    per byte, and at least 2**20 (see [Note: Bounded work on untrusted input])."""
+    return max(1 << 20, 64 * nbytes)
+
+
+def restricted_loads(
+    data: bytes,
+    what: str,
+    *,
+    resolve: Callable[[str, str], Any] | None = None,
+    persistent: Callable[[Any], Any] | None = None,
+) -> Any:
     """Unpickles ``data`` through the allow-list. See [Note: Allow-list unpickling].
 
     Args:
         data: the whole pickle.
         what: names the file in error messages.
+        resolve: ``(module, name) -> allowed value or Global``, raising for anything else; by
+            default DCP metadata's table.
+        persistent: what a persistent id (``BINPERSID``) stands for; by default refused.
 
     Raises:
         UnsafePickleError: a global outside the allow-list, a disallowed opcode, or a
@@ -562,7 +680,7 @@ def restricted_loads(data: bytes, what: str) -> Any:
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _Machine(data).run()
+        return _Machine(data, resolve or _resolve, persistent).run()
     except UnsafePickleError as e:
         raise UnsafePickleError(f"{what}: {e}") from None
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, RecursionError) as e:

@@ -2,14 +2,13 @@
 
 :func:`inspect` lists what a checkpoint holds from its metadata and commit record (no payload is
 read); :func:`verify` reads every stored chunk once, streaming, and checks it as a load would
-(CRC-32, zip structure, declared sizes; non-tensor items decoded by the weights-only loader), so
+(CRC-32, zip structure, the pickle decoded by the allow-list; non-tensor items decoded whole), so
 a damaged checkpoint is found before a job restarts from it. Both open the checkpoint with
 :func:`open_checkpoint` (see [Note: Safe DCP reading]).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import zlib
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from shardkit.checkpoint._commit import checksum, storage_key
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import ChecksumError, UnsafeCheckpointError
 from shardkit.checkpoint._metadata import numel
-from shardkit.checkpoint._reader import check_chunk
+from shardkit.checkpoint._payload import decode_blob
+from shardkit.checkpoint._reader import check_chunk, chunk_index
 from shardkit.checkpoint._scan import decode_object
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
@@ -114,11 +114,15 @@ def _item_checksums(ck: Checkpoint) -> dict[str, int] | None:
     return dict(sums)
 
 
-def _read(ck: Checkpoint, index: MetadataIndex) -> bytes:
+def _read(ck: Checkpoint, index: MetadataIndex) -> bytearray:
     info = ck.metadata.storage_data[index]
-    with open(ck.version / info.relative_path, "rb") as f:
+    blob = bytearray(info.length)
+    with ck.location.open(info.relative_path) as f:  # see [Note: No path leaves the checkpoint]
         f.seek(info.offset)
-        return f.read(info.length)
+        n = f.readinto(blob)  # type: ignore[attr-defined]
+    if n != info.length:
+        raise UnsafeCheckpointError(f"{ck.version}/{info.relative_path} shrank while read")
+    return blob
 
 
 def _verify_item_checksums(ck: Checkpoint, sums: dict[str, int]) -> int:
@@ -135,10 +139,7 @@ def _verify_item_checksums(ck: Checkpoint, sums: dict[str, int]) -> int:
             if len(item.chunks) != 1:
                 raise UnsafeCheckpointError(f"{what} has {len(item.chunks)} chunks, not one")
             blob = _read(ck, MetadataIndex(key, item.chunks[0].offsets))
-            value = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-            if not isinstance(value, torch.Tensor):
-                raise UnsafeCheckpointError(f"{what} does not hold a tensor")
-            got = checksum(value)
+            got = checksum(decode_blob(blob, len(blob), what, tensor=True))
         else:
             blob = _read(ck, MetadataIndex(key))
             value = decode_object(blob, what)
@@ -178,6 +179,7 @@ def verify(
     ck = open_checkpoint(path, allow_missing_commit_record=allow_missing_commit_record)
     md = ck.metadata
     sums = ck.storage_checksums
+    chunks = chunk_index(md)
     nbytes = 0
     order = sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
     for index, info in order:
@@ -185,7 +187,7 @@ def verify(
         want = None if sums is None else sums[key]
         item = md.state_dict_metadata[index.fqn]
         if isinstance(item, TensorStorageMetadata):
-            check_chunk(ck.version, md, index, want)
+            check_chunk(ck.location, md, index, want, chunks)
         else:
             what = f"checkpoint item {describe(index.fqn)} (file {info.relative_path})"
             blob = _read(ck, index)
