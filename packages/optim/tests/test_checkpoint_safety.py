@@ -379,3 +379,74 @@ def test_cli_reads_a_format_1_checkpoint_only_with_allow_pickle(tmp_path: Path) 
     assert_state_equal(
         torch.load(_V1 / "expected.pt", weights_only=True), torch.load(out, weights_only=True)
     )
+
+
+# ---------------------------------------------------------------- crafted stored chunks (issue 46)
+
+
+def _forge_chunk(path: Path, how: str) -> None:
+    """One stored tensor chunk of a format-2 checkpoint replaced as an attacker would, every
+    CRC-32 of the commit record recomputed: ``legacy`` prefixes a sound ``torch.save`` zip with
+    the legacy format's magic and a pickle bomb (torch.load would decode the prefix), ``link``
+    makes its ``.distcp`` file a link to a copy outside the checkpoint."""
+    import json
+    import zlib
+
+    from shardkit.checkpoint._unpickle import restricted_loads
+
+    version = _version(path)
+    md = restricted_loads((version / ".metadata").read_bytes(), "m")
+    index = next(i for i in md.storage_data if i.offset is not None)
+    info = md.storage_data[index]
+    target = version / info.relative_path
+    if how == "link":
+        outside = path.parent / "outside.distcp"
+        shutil.copy(target, outside)
+        target.unlink()
+        os.symlink(outside, target)
+        return
+    with open(target, "rb") as f:
+        f.seek(info.offset)
+        sound = f.read(info.length)
+    # a dict keyed by a 60-deep billion-laughs tuple: hashing it takes 2**60 steps
+    bomb = b"\x80\x02}X\x01\x00\x00\x00a\x85q\x00"
+    bomb += b"".join(b"h" + bytes([i]) + b"\x86q" + bytes([i + 1]) for i in range(60)) + b"K\x01s."
+    magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + pickle.dumps(1001, protocol=2)
+    blob = magic + bomb + sound
+    with open(target, "ab") as f:
+        info.offset = f.tell()
+        f.write(blob)
+    info.length = len(blob)
+    (version / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    record = json.loads((version / "SHARDKIT_COMMIT").read_text())
+    for entry in record["storage_checksums"]:
+        i = next(k for k in md.storage_data if k.fqn == entry[0] and (
+            (k.offset is None and entry[1] is None) or list(k.offset or ()) == entry[1]))
+        v = md.storage_data[i]
+        with open(version / v.relative_path, "rb") as f:
+            f.seek(v.offset)
+            entry[2] = zlib.crc32(f.read(v.length))
+    (version / "SHARDKIT_COMMIT").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("how", ["legacy", "link"])
+def test_crafted_chunks_are_refused_by_load_consolidated(v2: Path, tmp_path: Path, how: str) -> None:
+    import time
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(v2, path)
+    _forge_chunk(path, how)
+    t0 = time.perf_counter()
+    with pytest.raises(UnsafeCheckpointError, match="torch.save zip|symbolic link"):
+        load_consolidated(path)
+    assert time.perf_counter() - t0 < 2.0
+
+
+@world(1, timeout=120)
+def test_crafted_chunks_are_refused_by_load_sharded(v2: Path, tmp_path: Path) -> None:
+    for how in ("legacy", "link"):
+        path = tmp_path / how
+        shutil.copytree(v2, path)
+        _forge_chunk(path, how)
+        with pytest.raises(UnsafeCheckpointError, match="torch.save zip|symbolic link"):
+            load_sharded(_v2_model(), path)

@@ -65,14 +65,24 @@ class Location:
         """The directory ``name`` below this one."""
         return Location(self.root, (*self.sub, name))
 
-    def _dir_fd(self) -> int:
+    def dir_fd(self) -> int:
+        """A descriptor of this directory (the caller closes it): ``root`` opened as named,
+        each of ``sub`` with ``O_NOFOLLOW``.
+
+        Raises:
+            UnsafeCheckpointError: a directory of ``sub`` is a link.
+        """
         fd = os.open(self.root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
         try:
             for i, name in enumerate(self.sub):
                 try:
                     nxt = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
                 except OSError as e:
-                    if e.errno in _LINK_ERRORS:
+                    # O_DIRECTORY | O_NOFOLLOW on a link: ELOOP, or ENOTDIR (it is no directory)
+                    if e.errno in _LINK_ERRORS or (
+                        e.errno == errno.ENOTDIR
+                        and stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+                    ):
                         raise _linked(self.root.joinpath(*self.sub[: i + 1])) from None
                     raise
                 os.close(fd)
@@ -92,7 +102,7 @@ class Location:
         """
         if not name or "/" in name or name in (".", ".."):
             raise UnsafeCheckpointError(f"{name!r} is not a file name of the checkpoint")
-        dfd = self._dir_fd()
+        dfd = self.dir_fd()
         try:
             try:
                 fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dfd)
@@ -152,7 +162,7 @@ class Location:
             UnsafeCheckpointError: it is a link (to anything).
         """
         try:
-            os.close(self.child(name)._dir_fd())
+            os.close(self.child(name).dir_fd())
         except (FileNotFoundError, NotADirectoryError):
             return False
         return True

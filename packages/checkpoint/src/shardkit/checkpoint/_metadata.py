@@ -323,7 +323,9 @@ def check_storage(metadata: Metadata, directory: Location | str | os.PathLike[st
                     )
                 spans.setdefault(info.relative_path, []).append((info.offset, info.length, key))
             check_tiling(
-                md.size, [(c.offsets, c.sizes) for c in md.chunks], f"checkpoint item {describe(key)}"
+                md.size,
+                [(c.offsets, c.sizes) for c in md.chunks],
+                f"checkpoint item {describe(key)}",
             )
         else:
             info = metadata.storage_data[MetadataIndex(key)]

@@ -102,9 +102,9 @@ def read_records(f: IO[bytes], length: int, what: str) -> Records:
         if len(raw) != _LOCAL.size:
             raise _fail(what, f"its record {describe(info.filename)} lies outside it")
         sig, _, _, _, _, _, _, _, _, nlen, elen = _LOCAL.unpack(raw)
-        name = f.read(nlen)
+        local_name = f.read(nlen)
         start = info.header_offset + _LOCAL.size + nlen + elen
-        if sig != b"PK\x03\x04" or name != info.filename.encode("utf-8", "surrogateescape"):
+        if sig != b"PK\x03\x04" or local_name != info.filename.encode("utf-8", "surrogateescape"):
             raise _fail(what, f"its record {describe(info.filename)} has no matching header")
         if start + info.file_size > length:
             raise _fail(what, f"its record {describe(info.filename)} lies outside it")
@@ -143,7 +143,7 @@ def _data_offset(info: zipfile.ZipInfo, f: IO[bytes]) -> int:
     may differ from the central directory's."""
     f.seek(info.header_offset + 26)
     nlen, elen = struct.unpack("<2H", f.read(4))
-    return int(info.header_offset) + _LOCAL.size + nlen + elen
+    return int(info.header_offset) + _LOCAL.size + int(nlen) + int(elen)
 
 
 def _read(f: IO[bytes], span: tuple[int, int]) -> bytes:
@@ -221,8 +221,14 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: An
 
 
 def _rebuild_tensor_v3(
-    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
-    dtype: Any, *rest: Any
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    *rest: Any,
 ) -> torch.Tensor:
     """``torch.save``'s form for dtypes without a typed storage class (float8, uint16, ...):
     an untyped (byte) storage viewed as ``dtype``."""
@@ -320,27 +326,27 @@ def _layout(*args: Any) -> torch.layout:
     return value
 
 
+_TABLE: tuple[tuple[tuple[str, str], Callable[..., Any], bool], ...] = (
+    (("torch._utils", "_rebuild_tensor_v2"), _rebuild_tensor, False),
+    (("torch._utils", "_rebuild_tensor_v3"), _rebuild_tensor_v3, False),
+    (("torch._utils", "_rebuild_parameter"), _rebuild_parameter, False),
+    (("collections", "OrderedDict"), _ordered_dict, True),
+    (("_codecs", "encode"), _encode, False),
+    (("torch", "Size"), _size, False),
+    (("torch", "device"), _device, False),
+    (("torch.serialization", "_get_layout"), _layout, False),
+    *(
+        ((module, name), call, machine)
+        for module in ("builtins", "__builtin__")
+        for name, call, machine in (
+            ("set", _set(set), True),
+            ("bytearray", _bytearray, False),
+            ("complex", _complex, False),
+        )
+    ),
+)
 PAYLOAD_GLOBALS: dict[tuple[str, str], Global] = {
-    key: Global(f"{key[0]}.{key[1]}", call, needs_machine=machine)
-    for key, call, machine in (
-        (("torch._utils", "_rebuild_tensor_v2"), _rebuild_tensor, False),
-        (("torch._utils", "_rebuild_tensor_v3"), _rebuild_tensor_v3, False),
-        (("torch._utils", "_rebuild_parameter"), _rebuild_parameter, False),
-        (("collections", "OrderedDict"), _ordered_dict, True),
-        (("_codecs", "encode"), _encode, False),
-        (("torch", "Size"), _size, False),
-        (("torch", "device"), _device, False),
-        (("torch.serialization", "_get_layout"), _layout, False),
-        *(
-            ((module, name), call, machine)
-            for module in ("builtins", "__builtin__")
-            for name, call, machine in (
-                ("set", _set(set), True),
-                ("bytearray", _bytearray, False),
-                ("complex", _complex, False),
-            )
-        ),
-    )
+    key: Global(f"{key[0]}.{key[1]}", call, needs_machine=machine) for key, call, machine in _TABLE
 }
 """``(module, name) -> Global``: what a stored item's pickle may name (besides dtypes, layouts
 and storage classes of ``torch``). See [Note: One decoder for stored items]."""
@@ -392,7 +398,9 @@ def decode_blob(
 
     def persistent(pid: Any) -> _Storage:
         ok = type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"
-        if not (ok and type(pid[1]) is _StorageType and type(pid[2]) is str and type(pid[4]) is int):
+        if not (
+            ok and type(pid[1]) is _StorageType and type(pid[2]) is str and type(pid[4]) is int
+        ):
             raise UnsafePickleError(f"a storage named by {describe(pid)}, not torch.save's id")
         key, dtype, numel = pid[2], pid[1].dtype, pid[4]
         span = records.storages.get(key)
@@ -419,7 +427,9 @@ def decode_blob(
         return storages[key]
 
     try:
-        value = restricted_loads(_read(f, records.pickle), what, resolve=_resolve, persistent=persistent)
+        value = restricted_loads(
+            _read(f, records.pickle), what, resolve=_resolve, persistent=persistent
+        )
     except UnsafePickleError as e:
         raise UnsafeCheckpointError(f"{e}; the checkpoint is damaged or crafted") from None
     if tensor and not isinstance(value, torch.Tensor):

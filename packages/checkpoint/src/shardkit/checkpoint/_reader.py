@@ -128,9 +128,9 @@ def chunk_index(md: Metadata) -> ChunkIndex:
     return out
 
 
-def _chunk_of(md: Metadata, chunks: ChunkIndex, index: MetadataIndex, what: str) -> tuple[
-    TensorStorageMetadata, ChunkStorageMetadata
-]:
+def _chunk_of(
+    md: Metadata, chunks: ChunkIndex, index: MetadataIndex, what: str
+) -> tuple[TensorStorageMetadata, ChunkStorageMetadata]:
     item = md.state_dict_metadata.get(index.fqn)
     chunk = None if index.offset is None else chunks.get((index.fqn, tuple(index.offset)))
     if chunk is None or not isinstance(item, TensorStorageMetadata):

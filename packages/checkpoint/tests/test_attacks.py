@@ -1,0 +1,318 @@
+"""The README's promises against checkpoints crafted to break them (issue 46).
+
+Each case rewrites a sound checkpoint as an attacker would (payloads where the attack puts them,
+every CRC-32 recomputed) and loads it the README's ways in a child process (4 GiB address-space
+limit): ``dcp.load`` with ``SafeFileSystemReader``, ``shardkit.checkpoint.load``, ``inspect``
+and ``verify`` (and shardkit-optim's ``load_consolidated`` where it is installed). Each must
+refuse it with ``UnsafeCheckpointError`` (raised, or what :func:`checkpoint_error` finds in DCP's
+``CheckpointException``) within :data:`SECONDS` of wall time and :data:`RSS_BYTES` of peak
+resident growth above the checkpoint files' size. ``inspect`` reads the metadata and the layout
+only: a payload attack must leave it within the bounds, and it must refuse every attack on what
+it reads. Code never runs: no case may create its marker file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _attackkit import (
+    ENTRIES,
+    append_blob,
+    binint,
+    colliding_int_dict,
+    global_,
+    object_index,
+    pk,
+    read_md,
+    run_child,
+    saved,
+    tensor_index,
+    unicode,
+    version_dir,
+    with_pickle,
+    write_md,
+)
+from _ckpt_testkit import laughs_pickle, model_and_optim, state_of
+from shardkit.checkpoint import save
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+)
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc"),
+]
+
+SECONDS = 2.0
+"""The wall-time bound of every entry on every case (2-core CI box, other tests running)."""
+RSS_BYTES = 64 << 20
+"""The peak resident growth bound above the size of the checkpoint's files."""
+
+
+def _base(tmp: Path) -> Path:
+    """A shardkit checkpoint of an MLP, its Adam state, a step, a config and a 16-element
+    tensor ``extra.b`` (the chunk-tiling cases rewrite it)."""
+    model, opt = model_and_optim()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    state = state_of(model, opt)
+    state["extra"] = {"b": torch.arange(16.0), "m": torch.arange(16.0).view(4, 4)}
+    path = tmp / "ckpt"
+    save(state, path)
+    return path
+
+
+# ------------------------------------------------------------------ payload attacks
+
+
+def _object(pkl: bytes) -> Callable[[Path], None]:
+    return lambda path: append_blob(path, object_index(path), with_pickle(pkl))
+
+
+def _tensor(blob: Callable[[Path], bytes], fqn: str = "extra.b") -> Callable[[Path], None]:
+    return lambda path: append_blob(path, tensor_index(path, fqn), blob(path))
+
+
+def _legacy_prefix(path: Path) -> bytes:
+    """The legacy format's magic and protocol, then a bomb, then a sound torch.save zip: a zip
+    reader finds the zip from its end; torch.load, seeing no ``PK`` first, decodes the prefix."""
+    magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + pickle.dumps(1001, protocol=2)
+    return magic + laughs_pickle(60, as_dict_key=True) + saved(torch.arange(16.0))
+
+
+def _hooks_laughs(path: Path) -> bytes:
+    """A tensor pickle that rebuilds the tensor and also carries a dict keyed by a 60-deep
+    billion-laughs tuple (as the backward hooks argument)."""
+    laughs = laughs_pickle(60, as_dict_key=True)[2:-1]  # its opcodes, no PROTO / STOP
+    storage = (
+        b"((" + unicode("storage") + global_("torch", "FloatStorage") + unicode("0")
+        + unicode("cpu") + b"K\x10tQ"
+    )  # fmt: skip
+    pkl = pk(
+        global_("torch._utils", "_rebuild_tensor_v2"),
+        storage, b"K\x00K\x10\x85K\x01\x85\x89", laughs, b"tR",
+    )  # fmt: skip
+    return with_pickle(pkl, {"0": torch.arange(16.0).numpy().tobytes()})
+
+
+def _view_past_storage(path: Path) -> bytes:
+    storage = (
+        b"((" + unicode("storage") + global_("torch", "FloatStorage") + unicode("0")
+        + unicode("cpu") + b"K\x10tQ"
+    )  # fmt: skip
+    hooks = global_("collections", "OrderedDict") + b")R"
+    pkl = pk(
+        global_("torch._utils", "_rebuild_tensor_v2"),
+        b"(", storage, binint(8), b"K\x10\x85K\x01\x85\x89", hooks, b"tR",
+    )  # fmt: skip
+    return with_pickle(pkl, {"0": torch.arange(16.0).numpy().tobytes()})
+
+
+def _trailing(path: Path) -> bytes:
+    return saved(torch.arange(16.0)) + b"\0" * 64
+
+
+def _punycode() -> bytes:
+    text = "".join(chr(0x100 + i) for i in range(16_000))
+    return pk(global_("_codecs", "encode"), unicode(text), unicode("punycode"), b"\x86R")
+
+
+def _set_of_shared_list() -> bytes:
+    """A list of 50,000 ints, memoized, then ``set(list)`` 5,000 times: 250 M insertions from
+    about 300 KB."""
+    ints = b"".join(binint(i) for i in range(50_000))
+    calls = (b"h\x00" + b"h\x01" + b"\x85R0") * 5_000  # set, (list,) -> REDUCE, POP
+    return pk(global_("__builtin__", "set"), b"q\x00](", ints, b"eq\x01", calls, b"N")
+
+
+PAYLOAD: dict[str, Callable[[Path], None]] = {
+    "bytearray of 2**30": _object(pk(global_("__builtin__", "bytearray"), binint(1 << 30), b"\x85R")),
+    "punycode CPU bomb": _object(_punycode()),
+    "hash flooding in an item": _object(pk(colliding_int_dict(60_000))),
+    "set of a shared list, again and again": _object(_set_of_shared_list()),
+    "another codec": _object(pk(global_("_codecs", "encode"), unicode("a"), unicode("rot13"), b"\x86R")),
+    "code in an item": _object(pk(global_("posix", "system"), unicode("touch pwned"), b"\x85R")),
+    "tensor pickle with laughs": _tensor(_hooks_laughs),
+    "tensor pickle is a laughs dict": _tensor(lambda p: with_pickle(laughs_pickle(60, as_dict_key=True))),
+    "legacy-format prefix": _tensor(_legacy_prefix),
+    "view past its storage": _tensor(_view_past_storage),
+    "bytes after the zip": _tensor(_trailing),
+    "another dtype than declared": _tensor(lambda p: saved(torch.arange(16.0, dtype=torch.float64))[:2000]),
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------ metadata attacks
+
+
+def _flood_metadata(path: Path) -> None:
+    """The metadata's ``planner_data`` replaced by 60,000 int keys of one hash (780 KB)."""
+    md = read_md(path)
+    md.planner_data = "PLACEHOLDER-PLANNER-DATA"
+    raw = pickle.dumps(md, protocol=2)
+    needle = pickle.dumps("PLACEHOLDER-PLANNER-DATA", protocol=2)[2:-1]  # BINUNICODE + memo
+    at = raw.index(needle[:29])
+    end = at + len(needle)
+    # (the commit record's CRC-32s cover stored chunks only: nothing to recompute)
+    (version_dir(path) / ".metadata").write_bytes(raw[:at] + colliding_int_dict(60_000) + raw[end:])
+
+
+def _chunks(fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Callable[[Path], None]:
+    """Item ``fqn`` stored as the chunks ``(offsets, sizes)``, each with its own sound blob."""
+
+    def build(path: Path) -> None:
+        md = read_md(path)
+        item = md.state_dict_metadata[fqn]
+        full = torch.arange(float(torch.Size(item.size).numel())).view(tuple(item.size))
+        old = [MetadataIndex(fqn, c.offsets) for c in item.chunks]
+        template = md.storage_data[old[0]]
+        for index in old:
+            del md.storage_data[index]
+        item.chunks = []
+        for offsets, sizes in boxes:
+            index = MetadataIndex(fqn, torch.Size(offsets))
+            info = type(template)(template.relative_path, 0, 0, template.transform_descriptors)
+            md.storage_data[index] = info
+            item.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+            append_blob(path, index, saved(part), md)
+        write_md(path, md)
+
+    return build
+
+
+def _link(name: str | None) -> Callable[[Path], None]:
+    """A file of the version (or, ``None``, the version directory itself) replaced by a link to
+    a copy of it outside the checkpoint."""
+
+    def build(path: Path) -> None:
+        version = version_dir(path)
+        target = version if name is None else version / name
+        outside = path.parent / f"outside-{target.name}"
+        (shutil.copytree if target.is_dir() else shutil.copy)(target, outside)
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        os.symlink(outside, target)
+
+    return build
+
+
+def _distcp(path: Path) -> str:
+    return str(read_md(path).storage_data[tensor_index(path, "extra.b")].relative_path)
+
+
+def _fifo(path: Path) -> None:
+    target = version_dir(path) / _distcp(path)
+    target.unlink()
+    os.mkfifo(target)
+
+
+LAYOUT: dict[str, Callable[[Path], None]] = {
+    "hash flooding in the metadata": _flood_metadata,
+    "overlapping chunks [0, 8) + [4, 12)": _chunks("extra.b", [((0,), (8,)), ((4,), (8,))]),
+    "2-D overlap and gap of equal volume": _chunks(
+        "extra.m", [((0, 0), (2, 4)), ((2, 0), (2, 2)), ((1, 2), (2, 2))]
+    ),
+    "a chunk twice": _chunks("extra.b", [((0,), (8,)), ((0,), (8,)), ((8,), (8,))]),
+    "symlinked .distcp file": lambda p: _link(_distcp(p))(p),
+    "symlinked version directory": _link(None),
+    "symlinked .metadata": _link(".metadata"),
+    "symlinked commit record": _link("SHARDKIT_COMMIT"),
+    "FIFO as a .distcp file": _fifo,
+}
+
+
+def _latest_link(path: Path) -> None:
+    outside = path.parent / "outside-LATEST"
+    shutil.copy(path / "LATEST", outside)
+    (path / "LATEST").unlink()
+    os.symlink(outside, path / "LATEST")
+
+
+LAYOUT["symlinked LATEST"] = _latest_link
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _base(tmp_path_factory.mktemp("attacks"))
+
+
+def _files_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _check(results: dict[str, Any], size: int, *, inspect_refuses: bool) -> None:
+    for entry, r in results.items():
+        if r is None:
+            continue  # not installed here
+        where = f"{entry}: {r}"
+        assert r["seconds"] < SECONDS, f"{where}: took {r['seconds']:.2f} s"
+        assert r["grew"] < RSS_BYTES + size, f"{where}: grew {r['grew'] >> 20} MiB"
+        if entry == "inspect" and not inspect_refuses:
+            assert r["error"] is None or r["typed"], where
+        else:
+            assert r["typed"], f"{where}: not refused with UnsafeCheckpointError"
+
+
+def _attack(base: Path, tmp_path: Path, build: Callable[[Path], None]) -> Path:
+    path = tmp_path / "case" / "ckpt"
+    shutil.copytree(base, path, symlinks=True)
+    build(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOAD))
+def test_payload_attacks_are_refused_within_bounds(base: Path, tmp_path: Path, name: str) -> None:
+    path = _attack(base, tmp_path, PAYLOAD[name])
+    results = run_child(path, (*ENTRIES, "load_consolidated"))
+    results.pop("load_consolidated", None)  # not an optimizer checkpoint: see test_optim_*
+    _check(results, _files_size(path), inspect_refuses=False)
+    assert not (Path.cwd() / "pwned").exists() and not (path / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT))
+def test_metadata_and_layout_attacks_are_refused_within_bounds(
+    base: Path, tmp_path: Path, name: str
+) -> None:
+    path = _attack(base, tmp_path, LAYOUT[name])
+    _check(run_child(path), _files_size(path), inspect_refuses=True)
+
+
+def test_a_plain_dcp_checkpoint_with_a_legacy_prefix_is_refused_by_the_reader(
+    tmp_path: Path,
+) -> None:
+    """A plain DCP checkpoint (no commit record, no CRC-32s): the reader alone guards it."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "plain"
+    dcp.save({"b": torch.arange(16.0), "cfg": {"k": 1}}, checkpoint_id=str(path), no_dist=True)
+    append_blob(path, tensor_index(path, "b"), _legacy_prefix(path))
+    _check(run_child(path, ("reader",)), _files_size(path), inspect_refuses=True)
+    _object(pk(global_("__builtin__", "bytearray"), binint(1 << 30), b"\x85R"))(path)
+    _check(run_child(path, ("reader",)), _files_size(path), inspect_refuses=True)
+
+
+def test_a_sound_checkpoint_still_loads_through_every_entry(base: Path) -> None:
+    results = run_child(base)
+    for entry, r in results.items():
+        assert r["error"] is None, f"{entry}: {r}"
+        assert r["seconds"] < SECONDS, f"{entry}: {r}"
+
+
+def test_many_one_element_chunks_load_in_linear_time(tmp_path: Path) -> None:
+    """2,000 one-element chunks of one tensor: a sound tiling, checked and loaded within the
+    bounds (the chunk lookup and the tiling check are linear in the number of chunks)."""
+    path = tmp_path / "ckpt"
+    save({"extra": {"b": torch.arange(2000.0)}}, path)
+    _chunks("extra.b", [((i,), (1,)) for i in range(2000)])(path)
+    results = run_child(path)
+    for entry, r in results.items():
+        assert r["error"] is None, f"{entry}: {r}"
+    assert results["reader"]["seconds"] < SECONDS, results
