@@ -84,32 +84,23 @@ def read_records(f: IO[bytes], length: int, what: str) -> Records:
             "its bytes are not one torch.save zip from their first byte to their last (a legacy "
             "or prefixed blob, or trailing bytes, would be read differently by torch.load)",
         )
-    try:
-        with zipfile.ZipFile(f) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, struct.error) as e:
-        raise _fail(what, f"its zip directory is malformed ({type(e).__name__})") from None
+    entries = _central_directory(f, length, what)
     spans: list[tuple[int, int, str]] = []
-    for info in infos:
-        if (
-            info.compress_type != zipfile.ZIP_STORED
-            or info.flag_bits & 0x1
-            or info.compress_size != info.file_size
-        ):
-            raise _fail(what, f"its record {describe(info.filename)} is compressed or encrypted")
-        f.seek(info.header_offset)
+    for name, header, size in entries:
+        f.seek(header)
         raw = f.read(_LOCAL.size)
         if len(raw) != _LOCAL.size:
-            raise _fail(what, f"its record {describe(info.filename)} lies outside it")
+            raise _fail(what, f"its record {describe(name)} lies outside it")
         sig, _, _, _, _, _, _, _, _, nlen, elen = _LOCAL.unpack(raw)
         local_name = f.read(nlen)
-        start = info.header_offset + _LOCAL.size + nlen + elen
-        if sig != b"PK\x03\x04" or local_name != info.filename.encode("utf-8", "surrogateescape"):
-            raise _fail(what, f"its record {describe(info.filename)} has no matching header")
-        if start + info.file_size > length:
-            raise _fail(what, f"its record {describe(info.filename)} lies outside it")
-        spans.append((info.header_offset, start + info.file_size, info.filename))
+        start = header + _LOCAL.size + nlen + elen
+        if sig != b"PK\x03\x04" or local_name != name.encode("utf-8", "surrogateescape"):
+            raise _fail(what, f"its record {describe(name)} has no matching header")
+        if start + size > length:
+            raise _fail(what, f"its record {describe(name)} lies outside it")
+        spans.append((header, start + size, name))
     spans.sort()
+    sizes = {name: size for name, _, size in entries}
     if not spans or spans[0][0] != 0:
         raise _fail(what, "its first record does not start at its first byte")
     for (_, end, name), (nxt, _, _) in zip(spans, spans[1:]):
@@ -120,13 +111,13 @@ def read_records(f: IO[bytes], length: int, what: str) -> Records:
     byteorder: tuple[int, int] | None = None
     storages: dict[str, tuple[int, int]] = {}
     names: set[str] = set()
-    for info in infos:
-        name = info.filename
+    for header, end, name in spans:
         if name in names or not name.startswith(archive + "/"):
             raise _fail(what, f"its record {describe(name)} is repeated or outside its archive")
         names.add(name)
         rest = name[len(archive) + 1 :]
-        span = (_data_offset(info, f), info.file_size)
+        size = sizes[name]
+        span = (end - size, size)
         if rest == "data.pkl":
             pickle = span
         elif rest == "byteorder":
@@ -138,12 +129,76 @@ def read_records(f: IO[bytes], length: int, what: str) -> Records:
     return Records(pickle, storages, byteorder)
 
 
-def _data_offset(info: zipfile.ZipInfo, f: IO[bytes]) -> int:
-    """Where a record's data starts: after its local header, whose name and extra-field lengths
-    may differ from the central directory's."""
-    f.seek(info.header_offset + 26)
-    nlen, elen = struct.unpack("<2H", f.read(4))
-    return int(info.header_offset) + _LOCAL.size + int(nlen) + int(elen)
+_EOCD_REC = struct.Struct("<4s4H2IH")
+_Z64_LOCATOR = struct.Struct("<4sIQI")
+_Z64_EOCD = struct.Struct("<4sQ2H2I4Q")
+_CENTRAL = struct.Struct("<4s6H3I5H2I")
+
+
+def _central_directory(f: IO[bytes], length: int, what: str) -> list[tuple[str, int, int]]:
+    """``(name, local header offset, size)`` of every record of the zip, parsed here: its
+    central directory must end right at its end records (ZIP64 ones included, as ``torch.save``
+    writes them); a record whose sizes need ZIP64 extra fields (4 GiB and more) is read
+    through ``zipfile``. Every record must be stored (uncompressed), unencrypted."""
+    end = length - _EOCD_REC.size
+    f.seek(end)
+    _, disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = _EOCD_REC.unpack(
+        f.read(_EOCD_REC.size)
+    )
+    locator = end - _Z64_LOCATOR.size
+    if locator >= _Z64_EOCD.size:
+        f.seek(locator)
+        sig, _, z64_at, _ = _Z64_LOCATOR.unpack(f.read(_Z64_LOCATOR.size))
+        if sig == b"PK\x06\x07":  # torch.save always writes the ZIP64 end records
+            if z64_at != locator - _Z64_EOCD.size:
+                raise _fail(what, "its ZIP64 end record is not where its locator says")
+            f.seek(z64_at)
+            z64 = _Z64_EOCD.unpack(f.read(_Z64_EOCD.size))
+            if z64[0] != b"PK\x06\x06":
+                raise _fail(what, "its ZIP64 end record is malformed")
+            disk, cd_disk, n_here, n_total, cd_size, cd_offset = z64[4:10]
+            end = z64_at
+    if disk or cd_disk or n_here != n_total or cd_offset + cd_size != end:
+        raise _fail(what, "its zip directory does not end at its end record")
+    f.seek(cd_offset)
+    raw = f.read(cd_size)
+    out: list[tuple[str, int, int]] = []
+    at = 0
+    for _ in range(n_total):
+        if at + _CENTRAL.size > len(raw):
+            raise _fail(what, "its zip directory is truncated")
+        fields = _CENTRAL.unpack_from(raw, at)
+        sig, flags, method, csize, usize = fields[0], fields[3], fields[4], fields[8], fields[9]
+        nlen, elen, clen, header = fields[10], fields[11], fields[12], fields[16]
+        name = raw[at + _CENTRAL.size : at + _CENTRAL.size + nlen]
+        at += _CENTRAL.size + nlen + elen + clen
+        if sig != b"PK\x01\x02" or at > len(raw):
+            raise _fail(what, "its zip directory is malformed")
+        if 0xFFFFFFFF in (csize, usize, header):
+            return _zipfile_directory(f, what)
+        if method != zipfile.ZIP_STORED or flags & 0x1 or csize != usize:
+            raise _fail(what, f"its record {describe(name)} is compressed or encrypted")
+        text = name.decode("utf-8" if flags & 0x800 else "cp437", "surrogateescape")
+        out.append((text, header, usize))
+    if at != len(raw):
+        raise _fail(what, "its zip directory holds bytes after its last record")
+    return out
+
+
+def _zipfile_directory(f: IO[bytes], what: str) -> list[tuple[str, int, int]]:
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, struct.error) as e:
+        raise _fail(what, f"its zip directory is malformed ({type(e).__name__})") from None
+    for info in infos:
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.flag_bits & 0x1
+            or info.compress_size != info.file_size
+        ):
+            raise _fail(what, f"its record {describe(info.filename)} is compressed or encrypted")
+    return [(info.filename, info.header_offset, info.file_size) for info in infos]
 
 
 def _read(f: IO[bytes], span: tuple[int, int]) -> bytes:
@@ -369,6 +424,105 @@ def _resolve(module: str, name: str) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class _TensorSpec:
+    """What a tensor chunk's pickle says: its one storage record and the view of it."""
+
+    key: str
+    storage_dtype: torch.dtype
+    numel: int
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+
+_SPECS: dict[bytes, _TensorSpec] = {}
+_MAX_SPECS = 4096
+_MAX_CACHED_PICKLE = 1024
+
+
+def _tensor_spec(pkl: bytes, what: str) -> _TensorSpec:
+    """The tensor a chunk's pickle rebuilds, decoded on the meta device through the allow-list.
+
+    The pickles of the chunks of a checkpoint repeat (one per chunk shape), so small ones are
+    remembered by their bytes (at most 4096 of at most 1 KiB): a checkpoint of many chunks runs
+    the allow-list machine once per distinct pickle.
+    """
+    spec = _SPECS.get(pkl)
+    if spec is not None:
+        return spec
+    named: list[tuple[str, torch.dtype, int]] = []
+
+    def persistent(pid: Any) -> _Storage:
+        key, dtype, numel = _storage_id(pid)
+        if named and named[0] != (key, dtype, numel):
+            raise UnsafePickleError("a tensor chunk's pickle names more than one storage")
+        named.append((key, dtype, numel))
+        return _Storage(torch.empty(numel, dtype=dtype, device="meta"), dtype, numel)
+
+    try:
+        t = restricted_loads(pkl, what, resolve=_resolve, persistent=persistent)
+    except UnsafePickleError as e:
+        raise UnsafeCheckpointError(f"{e}; the checkpoint is damaged or crafted") from None
+    if type(t) is not torch.Tensor or not named:
+        raise _fail(what, f"it holds {describe(t)} where a tensor chunk is stored")
+    key, sdtype, numel = named[0]
+    spec = _TensorSpec(
+        key, sdtype, numel, t.dtype, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()),
+        t.requires_grad,
+    )  # fmt: skip
+    if len(pkl) <= _MAX_CACHED_PICKLE:
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        _SPECS[pkl] = spec
+    return spec
+
+
+def _storage_id(pid: Any) -> tuple[str, torch.dtype, int]:
+    """``("storage", storage class, key, location, numel)``: torch.save's persistent id."""
+    ok = type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"
+    if not (ok and type(pid[1]) is _StorageType and type(pid[2]) is str and type(pid[4]) is int):
+        raise UnsafePickleError(f"a storage named by {describe(pid)}, not torch.save's id")
+    if pid[4] < 0:
+        raise UnsafePickleError(f"a storage of {describe(pid[4])} elements")
+    return pid[2], pid[1].dtype, pid[4]
+
+
+def _declares(
+    what: str, key: str, dtype: torch.dtype, numel: int, records: Records
+) -> tuple[int, int]:
+    span = records.storages.get(key)
+    if span is None or numel * dtype.itemsize > span[1]:
+        raise _fail(
+            what,
+            f"its pickle declares a storage of {describe(numel)} {dtype} elements in record "
+            f"{describe(key)}, which {'is absent' if span is None else f'has {span[1]} bytes'}",
+        )
+    return span
+
+
+def _decode_tensor(
+    blob: bytes | bytearray | IO[bytes], f: IO[bytes], records: Records, what: str, meta: bool
+) -> torch.Tensor:
+    if records.pickle[1] > _MAX_PICKLE_TENSOR:
+        raise _fail(what, f"its pickle takes {records.pickle[1]} bytes, not a tensor's")
+    spec = _tensor_spec(_read(f, records.pickle), what)
+    span = _declares(what, spec.key, spec.storage_dtype, spec.numel, records)
+    if meta:
+        data = torch.empty(spec.numel, dtype=spec.storage_dtype, device="meta")
+    elif spec.numel:
+        data = torch.frombuffer(blob, dtype=spec.storage_dtype, count=spec.numel, offset=span[0])
+    else:
+        data = torch.empty(0, dtype=spec.storage_dtype)
+    if spec.dtype != spec.storage_dtype:  # _rebuild_tensor_v3: bytes viewed as the dtype
+        n = spec.numel // spec.dtype.itemsize
+        data = data[: n * spec.dtype.itemsize].view(spec.dtype)
+    t = data.as_strided(spec.size, spec.stride, spec.offset)
+    return t.requires_grad_(True) if spec.requires_grad else t
+
+
 def decode_blob(
     blob: bytes | bytearray | IO[bytes], length: int, what: str, *, tensor: bool, meta: bool = False
 ) -> Any:
@@ -392,24 +546,16 @@ def decode_blob(
     records = read_records(f, length, what)
     if records.byteorder is not None and _read(f, records.byteorder) != sys.byteorder.encode():
         raise _fail(what, f"it was written on a machine of another byte order than {sys.byteorder}")
-    if tensor and records.pickle[1] > _MAX_PICKLE_TENSOR:
-        raise _fail(what, f"its pickle takes {records.pickle[1]} bytes, not a tensor's")
+    if tensor:
+        return _decode_tensor(blob, f, records, what, meta)
     storages: dict[str, _Storage] = {}
 
     def persistent(pid: Any) -> _Storage:
-        ok = type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"
-        if not (
-            ok and type(pid[1]) is _StorageType and type(pid[2]) is str and type(pid[4]) is int
-        ):
-            raise UnsafePickleError(f"a storage named by {describe(pid)}, not torch.save's id")
-        key, dtype, numel = pid[2], pid[1].dtype, pid[4]
-        span = records.storages.get(key)
-        if span is None or numel < 0 or numel * dtype.itemsize > span[1]:
-            raise UnsafePickleError(
-                f"its pickle declares a storage of {describe(numel)} {dtype} elements in record "
-                f"{describe(key)}, which "
-                f"{'is absent' if span is None else f'has {span[1]} bytes'}"
-            )
+        key, dtype, numel = _storage_id(pid)
+        try:
+            span = _declares(what, key, dtype, numel, records)
+        except UnsafeCheckpointError as e:
+            raise UnsafePickleError(str(e).split(": ", 1)[-1].rsplit(";", 1)[0]) from None
         known = storages.get(key)
         if known is not None:
             if known.dtype != dtype or known.numel != numel:
@@ -432,6 +578,4 @@ def decode_blob(
         )
     except UnsafePickleError as e:
         raise UnsafeCheckpointError(f"{e}; the checkpoint is damaged or crafted") from None
-    if tensor and not isinstance(value, torch.Tensor):
-        raise _fail(what, f"it holds {describe(value)} where a tensor chunk is stored")
     return value

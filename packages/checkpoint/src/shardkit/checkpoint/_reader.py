@@ -159,6 +159,7 @@ def check_chunk(
     index: MetadataIndex,
     expected_crc: int | None,
     chunks: ChunkIndex | None = None,
+    f: IO[bytes] | None = None,
 ) -> None:
     """Checks one stored tensor chunk before it is decoded into a destination: its CRC-32
     (when known), its zip records and its pickle (decoded on the meta device: no payload is
@@ -170,6 +171,7 @@ def check_chunk(
         index: the chunk.
         expected_crc: its saved CRC-32, or None.
         chunks: :func:`chunk_index` of ``md`` (built here when not given).
+        f: the item's file, already opened from ``directory`` (opened here when not given).
 
     Raises:
         UnsafeCheckpointError: (``ChecksumError`` for a CRC mismatch) naming the item and file.
@@ -177,11 +179,30 @@ def check_chunk(
     info = md.storage_data[index]
     what = f"checkpoint item {describe(index.fqn)} (file {info.relative_path})"
     item, chunk = _chunk_of(md, chunk_index(md) if chunks is None else chunks, index, what)
-    with as_location(directory).open(info.relative_path) as f:
-        _check_crc(what, _crc(f, info.offset, info.length), expected_crc)
-        view = _FileSlice(f, info.offset, info.length)
-        t = decode_blob(view, info.length, what, tensor=True, meta=True)  # type: ignore[arg-type]
+    if f is None:
+        with as_location(directory).open(info.relative_path) as opened:
+            t = _check_blob(opened, info.offset, info.length, expected_crc, what)
+    else:
+        t = _check_blob(f, info.offset, info.length, expected_crc, what)
     _check_decoded(what, t, item, chunk)
+
+
+_IN_MEMORY = 1 << 22
+
+
+def _check_blob(f: IO[bytes], offset: int, length: int, crc: int | None, what: str) -> Any:
+    """CRC-32 and meta decode of one stored tensor blob: read whole when small, else streamed
+    (the CRC over the file, the zip's headers and pickle read where they lie)."""
+    if length <= _IN_MEMORY:
+        f.seek(offset)
+        blob = f.read(length)
+        if len(blob) != length:
+            raise UnsafeCheckpointError(f"{what} ends before its declared length")
+        _check_crc(what, zlib.crc32(blob), crc)
+        return decode_blob(io.BytesIO(blob), length, what, tensor=True, meta=True)
+    _check_crc(what, _crc(f, offset, length), crc)
+    view = _FileSlice(f, offset, length)
+    return decode_blob(view, length, what, tensor=True, meta=True)  # type: ignore[arg-type]
 
 
 # [Note: A refused metadata stays typed]
@@ -334,16 +355,21 @@ class SafeFileSystemReader(FileSystemReader):
         destination (a refusal leaves it untouched); see [Note: Safe DCP reading]."""
         md = self._md()
         seen: set[StorageKey] = set()
+        per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             index = item.storage_index
             key = storage_key(index.fqn, index.offset)
-            if key in seen:
-                continue
-            seen.add(key)
-            if item.type == LoadItemType.BYTE_IO:
-                self._object(index)
-            else:
-                check_chunk(self.location, md, index, self._want(index), self._chunks)
+            if key not in seen:
+                seen.add(key)
+                per_file.setdefault(md.storage_data[index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            with self.location.open(rel) as f:
+                for item in sorted(items, key=lambda r: md.storage_data[r.storage_index].offset):
+                    index = item.storage_index
+                    if item.type == LoadItemType.BYTE_IO:
+                        self._object(f, index)
+                    else:
+                        check_chunk(self.location, md, index, self._want(index), self._chunks, f)
         return super().prepare_local_plan(plan)
 
     def _blob(self, f: IO[bytes], index: MetadataIndex, what: str) -> bytearray:
@@ -357,12 +383,11 @@ class SafeFileSystemReader(FileSystemReader):
         _check_crc(what, zlib.crc32(blob), self._want(index))
         return blob
 
-    def _object(self, index: MetadataIndex) -> bytearray:
+    def _object(self, f: IO[bytes], index: MetadataIndex) -> bytearray:
         """A non-tensor item's stored bytes, checked (decoded too unless ``allow_pickle``)."""
         info = self._md().storage_data[index]
         what = f"checkpoint item {describe(index.fqn)} (file {info.relative_path})"
-        with self.location.open(info.relative_path) as f:
-            blob = self._blob(f, index, what)
+        blob = self._blob(f, index, what)
         if not self.allow_pickle:
             decode_object(blob, what)
         return blob
