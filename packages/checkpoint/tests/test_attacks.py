@@ -140,6 +140,7 @@ PAYLOAD: dict[str, Callable[[Path], None]] = {
     "hash flooding in an item": _object(pk(colliding_int_dict(60_000))),
     "set of a shared list, again and again": _object(_set_of_shared_list()),
     "another codec": _object(pk(global_("_codecs", "encode"), unicode("a"), unicode("rot13"), b"\x86R")),
+    "lists nested 100,000 deep": _object(pk(b"(" * 100_000 + b"l" * 100_000)),
     "code in an item": _object(pk(global_("posix", "system"), unicode("touch pwned"), b"\x85R")),
     "tensor pickle with laughs": _tensor(_hooks_laughs),
     "tensor pickle is a laughs dict": _tensor(lambda p: with_pickle(laughs_pickle(60, as_dict_key=True))),

@@ -400,8 +400,19 @@ _TABLE: tuple[tuple[tuple[str, str], Callable[..., Any], bool], ...] = (
         )
     ),
 )
+_TENSOR_COST = 2048
+"""Work units charged per tensor a pickle builds: a tensor object takes a few hundred bytes of
+memory however few bytes of pickle ask for it, so a pickle pays 32 of its bytes per tensor (at
+64 units per byte); ``torch.save`` writes at least about 30 bytes for even a view of a shared
+storage, and about 300 for a tensor with its own storage record."""
 PAYLOAD_GLOBALS: dict[tuple[str, str], Global] = {
-    key: Global(f"{key[0]}.{key[1]}", call, needs_machine=machine) for key, call, machine in _TABLE
+    key: Global(
+        f"{key[0]}.{key[1]}",
+        call,
+        needs_machine=machine,
+        cost=_TENSOR_COST if key[0] == "torch._utils" else 0,
+    )
+    for key, call, machine in _TABLE
 }
 """``(module, name) -> Global``: what a stored item's pickle may name (besides dtypes, layouts
 and storage classes of ``torch``). See [Note: One decoder for stored items]."""

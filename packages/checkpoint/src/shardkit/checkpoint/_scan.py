@@ -6,7 +6,8 @@ What it builds may still share references ("billion laughs": a list holding the 
 nested 60 deep, is 60 objects but 2**60 leaves to whatever walks it as a tree later, such as
 ``copy.deepcopy`` or an equality), so :func:`measure_object` walks the decoded object once per
 object (a memo by ``id``): its expansion as a tree must stay under :func:`expansion_budget`,
-and it must hold no cycle. :func:`decode_object` does both. See [Note: Bounded work on
+it must hold no cycle, and its containers may nest at most :data:`MAX_DEPTH` deep (the value is
+pickled again for DCP's planner, which recurses per level). :func:`decode_object` does both. See [Note: Bounded work on
 untrusted input].
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from shardkit.checkpoint._errors import UnsafeCheckpointError
 from shardkit.checkpoint._payload import decode_blob
 
-__all__ = ["decode_object", "expansion_budget", "measure_object"]
+__all__ = ["MAX_DEPTH", "decode_object", "expansion_budget", "measure_object"]
 
 
 def expansion_budget(nbytes: int) -> int:
@@ -32,6 +33,9 @@ def _fail(what: str, message: str) -> UnsafeCheckpointError:
 
 
 _CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict)
+MAX_DEPTH = 256
+"""The deepest nesting of containers a stored non-tensor item may decode to: its value is
+pickled again for DCP's planner (and copied by ``set_state_dict``), which recurse per level."""
 
 
 def _pairs(node: Any) -> Any:
@@ -40,8 +44,9 @@ def _pairs(node: Any) -> Any:
 
 
 def measure_object(obj: Any, budget: int, what: str) -> None:
-    """Refuses a decoded object whose expansion as a tree exceeds ``budget``, or that holds a
-    cycle; each object is visited once (see the module docstring).
+    """Refuses a decoded object whose expansion as a tree exceeds ``budget``, that holds a
+    cycle, or that nests containers more than :data:`MAX_DEPTH` deep; each object is visited
+    once (see the module docstring).
 
     Raises:
         UnsafeCheckpointError: naming the bound.
@@ -72,7 +77,13 @@ def measure_object(obj: Any, budget: int, what: str) -> None:
             continue
         if key in active:
             raise _fail(what, f"it decodes to a cyclic {type(node).__name__}")
-        active.add(key)
+        active.add(key)  # the containers from obj down to node: the path being walked
+        if len(active) > MAX_DEPTH:
+            raise _fail(
+                what,
+                f"it decodes to containers nested more than {MAX_DEPTH} deep (pickling or "
+                f"copying it again would exhaust the interpreter's recursion limit)",
+            )
         work.append((node, True))
         for pair in _pairs(node):
             for child in pair:

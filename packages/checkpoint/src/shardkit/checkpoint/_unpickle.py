@@ -138,6 +138,8 @@ class Global:
             it builds anything.
         cls: a DCP metadata dataclass NEWOBJ may create.
         needs_machine: ``call`` takes the machine first (to charge work or check keys).
+        cost: units of work charged per call beyond its arguments' sizes (an object much
+            larger than the bytes that ask for it, such as a tensor, costs more).
     """
 
     def __init__(
@@ -146,8 +148,10 @@ class Global:
         call: Callable[..., Any] | None = None,
         cls: type | None = None,
         needs_machine: bool = False,
+        cost: int = 0,
     ) -> None:
         self.name, self.call, self.cls, self.needs_machine = name, call, cls, needs_machine
+        self.cost = cost
 
 
 _CALLABLES: dict[tuple[str, str], Callable[..., Any]] = {
@@ -394,7 +398,7 @@ def _op_reduce(m: _Machine) -> None:
         raise UnsafePickleError(f"REDUCE of {_name(fn)} is not allowed")
     # an allowed callable's work is that of its arguments: charged before it runs, so a few
     # bytes calling it again and again on one shared list cannot cost seconds
-    m.charge(1 + sum(len(a) for a in args if isinstance(a, _SIZED)), fn.name)
+    m.charge(1 + fn.cost + sum(len(a) for a in args if isinstance(a, _SIZED)), fn.name)
     m.stack.append(fn.call(m, *args) if fn.needs_machine else fn.call(*args))
 
 
