@@ -317,3 +317,23 @@ def test_many_one_element_chunks_load_in_linear_time(tmp_path: Path) -> None:
     for entry, r in results.items():
         assert r["error"] is None, f"{entry}: {r}"
     assert results["reader"]["seconds"] < SECONDS, results
+
+
+def test_the_named_directory_may_be_a_link(base: Path, tmp_path: Path) -> None:
+    """Only what lies below the directory the user names must not be a link: a job's
+    ``ckpt -> /scratch/run7`` loads."""
+    os.symlink(base, tmp_path / "alias")
+    results = run_child(tmp_path / "alias")
+    for entry, r in results.items():
+        assert r["error"] is None, f"{entry}: {r}"
+
+
+def test_the_cli_verify_fails_with_the_reason(base: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    path = _attack(base, tmp_path, LAYOUT["symlinked .distcp file"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.checkpoint", "verify", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "symbolic link" in proc.stdout + proc.stderr, proc
