@@ -40,7 +40,14 @@ from typing import IO, Any
 import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import UnsafeCheckpointError
-from shardkit.checkpoint._unpickle import Global, UnsafePickleError, flat_set, restricted_loads
+from shardkit.checkpoint._unpickle import (
+    Global,
+    UnsafePickleError,
+    flat_set,
+    layout_of,
+    restricted_loads,
+    size_of,
+)
 
 __all__ = ["PAYLOAD_GLOBALS", "Records", "decode_blob", "read_records"]
 
@@ -364,32 +371,15 @@ def _device(*args: Any) -> torch.device:
         raise UnsafePickleError(f"torch.device of {describe(args)} is not a device") from None
 
 
-def _size(*args: Any) -> torch.Size:
-    if len(args) != 1:
-        raise UnsafePickleError(f"torch.Size of {describe(args)} is not allowed")
-    dims = _ints(args[0], "torch.Size")
-    if any(d < 0 for d in dims):
-        raise UnsafePickleError(f"torch.Size dims must be non-negative, got {describe(dims)}")
-    return torch.Size(dims)
-
-
-def _layout(*args: Any) -> torch.layout:
-    name = args[0] if len(args) == 1 else None
-    value = vars(torch).get(name[6:]) if type(name) is str and name[:6] == "torch." else None
-    if not isinstance(value, torch.layout):
-        raise UnsafePickleError(f"unknown torch layout {describe(args)}")
-    return value
-
-
 _TABLE: tuple[tuple[tuple[str, str], Callable[..., Any], bool], ...] = (
     (("torch._utils", "_rebuild_tensor_v2"), _rebuild_tensor, False),
     (("torch._utils", "_rebuild_tensor_v3"), _rebuild_tensor_v3, False),
     (("torch._utils", "_rebuild_parameter"), _rebuild_parameter, False),
     (("collections", "OrderedDict"), _ordered_dict, True),
     (("_codecs", "encode"), _encode, False),
-    (("torch", "Size"), _size, False),
+    (("torch", "Size"), size_of, False),
     (("torch", "device"), _device, False),
-    (("torch.serialization", "_get_layout"), _layout, False),
+    (("torch.serialization", "_get_layout"), layout_of, False),
     *(
         ((module, name), call, machine)
         for module in ("builtins", "__builtin__")

@@ -56,7 +56,9 @@ __all__ = [
     "Global",
     "UnsafePickleError",
     "flat_set",
+    "layout_of",
     "restricted_loads",
+    "size_of",
     "work_budget",
 ]
 
@@ -94,7 +96,8 @@ def _is_index(v: object) -> bool:
     return type(v) is int and v >= 0
 
 
-def _size(*args: Any) -> torch.Size:
+def size_of(*args: Any) -> torch.Size:
+    """``torch.Size`` of one tuple of non-negative ints (the allowed ``torch.Size`` global)."""
     if len(args) > 1 or (args and type(args[0]) not in (tuple, list)):
         raise UnsafePickleError(f"torch.Size expects one tuple of ints, got {describe(args)}")
     dims = tuple(args[0]) if args else ()
@@ -103,7 +106,8 @@ def _size(*args: Any) -> torch.Size:
     return torch.Size(dims)
 
 
-def _layout(*args: Any) -> torch.layout:
+def layout_of(*args: Any) -> torch.layout:
+    """The layout ``torch.serialization._get_layout`` names (never called)."""
     name = args[0] if len(args) == 1 else None
     value = vars(torch).get(name[6:]) if type(name) is str and name[:6] == "torch." else None
     if not isinstance(value, torch.layout):
@@ -155,8 +159,8 @@ class Global:
 
 
 _CALLABLES: dict[tuple[str, str], Callable[..., Any]] = {
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _layout,
+    ("torch", "Size"): size_of,
+    ("torch.serialization", "_get_layout"): layout_of,
     ("pathlib", "PosixPath"): _path(pathlib.PurePosixPath),
     ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
     ("pathlib", "WindowsPath"): _path(pathlib.PureWindowsPath),
@@ -245,7 +249,7 @@ def _key_cost(k: Any, op: str) -> int:
     input]."""
     if type(k) in _FLAT_KEYS:
         return 1
-    if type(k) is torch.Size:  # non-negative ints (_size)
+    if type(k) is torch.Size:  # non-negative ints (size_of)
         return 1 + len(k)
     if type(k) is MetadataIndex and "fqn" in k.__dict__:  # checked by BUILD (_check_index)
         offset = k.__dict__.get("offset")
