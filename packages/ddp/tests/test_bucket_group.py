@@ -9,12 +9,13 @@ optimizers stepped one at a time, ``zero_grad``; the config through both ways of
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel, ShardedDataParallelConfig
-from shardkit.ddp._bucket_group import GroupState
+from shardkit.ddp._lifecycle import BucketPhase, GroupState
 from shardkit.optim import ShardedOptimizer
 from shardkit.testing import world
 from torch import nn
@@ -121,3 +122,48 @@ def test_config_and_keyword_options_together_are_refused() -> None:
         ShardedDataParallel(m, opt, reduce_fp16=True, config=ShardedDataParallelConfig())
     with pytest.raises(TypeError, match="config must be a ShardedDataParallelConfig"):
         ShardedDataParallel(m, opt, config={"reduce_fp16": True})  # type: ignore[arg-type]
+
+
+@world(2)
+def test_one_step_walks_the_state_machine_and_illegal_calls_raise() -> None:
+    m = _net()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)  # one bucket per param: 4
+    (group,) = sdp._groups
+    life = group.life
+    n = len(group.buckets)
+    assert n == 4
+    life.record = record = []
+    _loss(sdp, 0).backward()
+    opt.step()
+    _loss(sdp, 1)  # the next forward waits for the gathers
+    calls = [c for c, _, _ in record]
+    assert calls.count("launch") == calls.count("finish") == n, calls
+    assert calls.count("gather_issued") == calls.count("gather_done") == n, calls
+    # every transition starts where the previous one ended
+    assert all(a[2] is b[1] for a, b in itertools.pairwise(record)), record
+    # the states the group went through, each change once, in the documented order
+    changes = [(c, a, b) for c, a, b in record if a is not b]
+    S = GroupState
+    assert [(a, b) for _, a, b in changes] == [
+        (S.IDLE, S.REDUCING),
+        (S.REDUCING, S.REDUCED),
+        (S.REDUCED, S.STEPPED),
+        (S.STEPPED, S.GATHERING),
+        (S.GATHERING, S.IDLE),
+    ], changes
+    assert [c for c, _, _ in changes] == [
+        "launch", "finish", "stepped", "step_done", "gather_done"
+    ]  # fmt: skip
+    assert calls[0] == "begin_pass" and calls[-1] == "gather_done"
+    assert all(b.phase is BucketPhase.IDLE and not b.pending for b in life.buckets)
+    # illegal transitions name the call and the state, and change nothing
+    with pytest.raises(RuntimeError, match=r"illegal transition finish\(\) in state IDLE"):
+        life.finish(0)
+    with pytest.raises(RuntimeError, match=r"step_done\(\) in state IDLE: no step is running"):
+        life.step_done()
+    with pytest.raises(RuntimeError, match=r"gather_done\(\) in state IDLE"):
+        life.gather_done(group.buckets[0].index)
+    with pytest.raises(RuntimeError, match=r"stage\(\) in state IDLE: bucket .* is IDLE"):
+        life.stage(0, 0, real=True)
+    assert group.state is GroupState.IDLE and not group.has_reduced_grads()

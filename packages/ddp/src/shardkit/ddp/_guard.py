@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -103,7 +103,7 @@ class _Gathers(Protocol):
     def spans(self) -> _Spans: ...
 
     @property
-    def pending(self) -> dict[int, Any]: ...
+    def pending(self) -> Mapping[int, Any]: ...
 
     def wait(self, index: int) -> None: ...
 

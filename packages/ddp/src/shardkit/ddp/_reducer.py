@@ -10,7 +10,7 @@ allocated, and logged once, only if a backward fills three buckets at once out o
 
 Buckets are launched strictly in index order on every rank, over the buckets of every bucket
 group of the wrapper (``_Reducer.order``; each group stages, launches and finishes its own
-buckets when the pass asks: [Note: Bucket group state] in ``shardkit.ddp._bucket_group``): a
+buckets when the pass asks: [Note: Bucket group state] in ``shardkit.ddp._lifecycle``): a
 complete bucket launches only
 once every earlier bucket has launched, so every rank issues the same collectives in the same
 order whatever order its hooks fire in. At the end of the backward pass (an autograd-engine
@@ -166,7 +166,7 @@ class _Reducer:
 
     Built once per wrapper; :meth:`lay_out` takes each (re)built bucket layout. The groups
     own their buckets' reduction state ([Note: Bucket group state] in
-    ``shardkit.ddp._bucket_group``); this pass decides when each is staged, launched and
+    ``shardkit.ddp._lifecycle``); this pass decides when each is staged, launched and
     finished: buckets launch strictly in index order over every group ([Note: Staging and
     launch order]), and the staging buffers are lent from one pool per wire dtype and device.
 
@@ -478,10 +478,11 @@ class _Reducer:
 # [Note: Clip agreement]
 # ``ShardedDataParallel.clip_grad_norm_`` (and a wrapped ``optimizer.clip_grad_norm``) must not
 # return 0.0 when there is nothing to clip. Per bucket, ``grad_fresh`` says whether its shard
-# holds a gradient reduced since the last step / zero_grad (set at each reduce-scatter launch,
-# cleared by the group's ``_consume``), and its ``_Reduction.clipped`` (``BucketGroup``, in
-# shardkit.ddp._bucket_group) whether that gradient was clipped already (cleared by the next
-# launch into the bucket and by ``_consume``). Both change only at
+# holds a gradient reduced since the last step / zero_grad (cleared at each reduce-scatter
+# launch, set again when a step or ``zero_grad`` consumes the shard), and its
+# ``BucketLife.clipped`` (the group's state machine, shardkit.ddp._lifecycle) whether that
+# gradient was clipped already (cleared by the next launch into the bucket and when the shard
+# is consumed). Both change only at
 # collective points (launches in bucket order, steps, clips), so well-formed programs agree on
 # them; still, each rank's two flags (any live bucket, any live bucket clipped) ride in its row
 # of the clip's one all-gather (shardkit-optim's ``agree_grad_norm``, its [Note: Sharded grad
