@@ -7,7 +7,7 @@ so this is roughly the order forward needs them; the order is the same on every 
 pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
 holds params of that bucket (FSDP2's pre-forward unshard, Megatron's ``overlap_param_gather``),
 and, for every other access, by the param-access guard ([Note: Param access guard] in
-``shardkit.ddp._guard``): any torch function on the training thread that touches the storage of
+``shardkit.optim._guard``): any torch function on the training thread that touches the storage of
 a pending bucket waits for it first, so reads and writes between ``step()`` and the next
 forward, or in a forward on a path no pre-hook covers, see what DDP would show. The wrapper's
 own entry points that read every param (the next step, clipping, ``wait_params()``,
@@ -36,22 +36,23 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import torch
-from shardkit.ddp._comm import _Comm, _Pending
-from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
-from shardkit.ddp._lifecycle import GroupLife
-from shardkit.ddp._profiling import phase
-from shardkit.optim import FlatBucket, profiling
+from shardkit.optim._comm import _Comm, _Pending
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._guard import _ParamGuard, _Spans, arm, settle
+from shardkit.optim._lifecycle import GroupLife
+from shardkit.optim._profiling import zero2_phase as phase
+from shardkit.optim._torch_compat import profiling
 from torch import nn
 
 __all__: list[str] = []
 
-logger = logging.getLogger("shardkit.ddp")
+logger = logging.getLogger("shardkit.optim")
 _logged_profiling = False
 
 
 class _ParamGather:
     """Issues and waits for the param all-gathers of one bucket group's buckets; see [Note:
-    Deferred param gather]. Built by its :class:`~shardkit.ddp._bucket_group.BucketGroup`
+    Deferred param gather]. Built by its :class:`~shardkit.optim._bucket_group.BucketGroup`
     with each bucket layout.
 
     Args:
@@ -60,7 +61,7 @@ class _ParamGather:
         module_buckets: Buckets (indices) of the params each module owns directly.
         buckets: The group's buckets (their flat buffers are what the guard watches).
         life: The group's state machine, which records the pending gathers ([Note: Bucket
-            group state] in ``shardkit.ddp._lifecycle``).
+            group state] in ``shardkit.optim._lifecycle``).
     """
 
     def __init__(

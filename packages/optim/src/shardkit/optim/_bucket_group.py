@@ -23,9 +23,9 @@ backward reduces the gradients of all of them; ``opt_k.step()`` steps and gather
 not step yet accumulate over the next backward, as ``.grad`` does with DDP.
 
 The group does the work of its buckets' cycle (staging copies, collectives, the local step,
-the gathers); what decides the next move is its :class:`~shardkit.ddp._lifecycle.GroupLife`,
+the gathers); what decides the next move is its :class:`~shardkit.optim._lifecycle.GroupLife`,
 written only by that state machine's transitions (see [Note: Bucket group state] in
-``shardkit.ddp._lifecycle``).
+``shardkit.optim._lifecycle``).
 """
 
 from __future__ import annotations
@@ -36,32 +36,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.ddp._checks import CLIP, STATE_DICT, agree
-from shardkit.ddp._comm import _Comm
-from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._gather import _ParamGather
-from shardkit.ddp._lifecycle import GroupLife, GroupState
-from shardkit.ddp._placeholders import drop_grads, is_placeholder
-from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import ALIGN, ParamMap, _Reducer, check_clip
-from shardkit.optim import (
-    FlatBucket,
+from shardkit.optim._agreement import agree_call, register_call
+from shardkit.optim._clip import agree_grad_norm, check_clip_args, grad_norm_partial
+from shardkit.optim._comm import _Comm
+from shardkit.optim._driver import ShardOwner
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._gather import _ParamGather
+from shardkit.optim._lifecycle import GroupLife, GroupState
+from shardkit.optim._options import EngineOptions
+from shardkit.optim._placeholders import drop_grads, is_placeholder
+from shardkit.optim._profiling import zero2_phase as phase
+from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
+from shardkit.optim._shard_state import (
     ParkedState,
-    ShardedOptimizer,
-    ShardOwner,
-    ShardStepper,
-    agree_grad_norm,
-    check_clip_args,
     checkpoint_part,
     gather_full_state_dict,
-    grad_norm_partial,
     load_full_state_dict,
 )
+from shardkit.optim._shard_stepper import ShardStepper
+from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from torch import nn
 
-__all__ = ["BucketGroup", "GroupState", "clip_groups"]
+__all__ = ["BucketGroup", "GroupState", "agree", "clip_groups"]
 
 NAME = "shardkit.ddp.ShardedDataParallel"
+CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
+STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
 _closures = itertools.count()
 """Orders the closures run by ``step()`` across groups (``last_closure_loss``)."""
 
@@ -82,7 +82,7 @@ class BucketGroup(ShardOwner):
         reducer: The wrapper's backward pass (bucket order over every group, staging pool).
         buckets: The optimizer's buckets (``shardkit.optim.build_flat_buckets``).
         module: The wrapped module (which submodule holds which bucket's params).
-        where: The layout's one param map (``shardkit.ddp._reducer.param_map``), shared.
+        where: The layout's one param map (``shardkit.optim._reducer.param_map``), shared.
     """
 
     name = NAME
@@ -92,7 +92,7 @@ class BucketGroup(ShardOwner):
         index: int,
         opt: ShardedOptimizer,
         comm: _Comm,
-        config: ShardedDataParallelConfig,
+        config: EngineOptions,
         reducer: _Reducer,
         buckets: list[FlatBucket],
         module: nn.Module,
@@ -149,7 +149,7 @@ class BucketGroup(ShardOwner):
         return [p for g in self.opt.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ backward side
-    # Called by the wrapper's backward pass (shardkit.ddp._reducer), which keeps the bucket
+    # Called by the wrapper's backward pass (shardkit.optim._reducer), which keeps the bucket
     # order over every group: see [Note: Staging and launch order] there.
     def begin_pass(self) -> None:
         """Every param of every bucket is still to stage: the start of a reduction pass."""
@@ -274,7 +274,7 @@ class BucketGroup(ShardOwner):
             self.wait_params()
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
-            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.ddp._reducer
+            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
                 scratch = self.reducer.idle_buffers()
                 self.stepper.step(unused, scratch=scratch)
             self.life.stepped()
@@ -320,7 +320,7 @@ class BucketGroup(ShardOwner):
     def _module_buckets(self, module: nn.Module) -> dict[nn.Module, list[int]]:
         """Buckets (indices) of the group's params each submodule owns directly (its forward
         pre-hook waits for their gathers: [Note: Deferred param gather] in
-        ``shardkit.ddp._gather``)."""
+        ``shardkit.optim._gather``)."""
         out: dict[nn.Module, list[int]] = {}
         for sub in module.modules():
             places = [self.where.get(id(p)) for p in sub.parameters(recurse=False)]
@@ -400,7 +400,7 @@ class BucketGroup(ShardOwner):
         """The full state on every rank (collective); compact moments as fp32, or as they are
         with ``compact`` (a checkpoint's items: shardkit-optim's [Note: Compact checkpoint
         items])."""
-        agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements]
+        agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements] in shardkit.ddp._checks
         self.reducer.finish_all()
         self.wait_params()
         return gather_full_state_dict(
@@ -440,15 +440,22 @@ class BucketGroup(ShardOwner):
         }
 
 
+def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
+    """Whether every rank of ``opt``'s group entered ``call`` with the same ``digest``
+    (bounded by ``opt.collective_timeout``); see [Note: Call agreement]."""
+    same, _, _ = agree_call(call, opt.group, opt.collective_timeout, digest=digest)
+    return bool(same)
+
+
 # ---------------------------------------------------------------------- clipping
 def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float) -> torch.Tensor:
     """Clips the reduced gradients of ``groups`` by their global norm (over every rank's
     shard); returns the norm. Collective. The norm is shardkit-optim's one sharded clip (its
-    [Note: Sharded grad norm]); the flags: [Note: Clip agreement] in ``shardkit.ddp._reducer``."""
+    [Note: Sharded grad norm]); the flags: [Note: Clip agreement] in ``shardkit.optim._reducer``."""
     max_f, norm_f = check_clip_args(max_norm, norm_type)
     first = groups[0]
     reducer, comm = first.reducer, first.comm
-    agree(CLIP, first.opt)  # See [Note: Wrapper agreements]
+    agree(CLIP, first.opt)  # See [Note: Wrapper agreements] in shardkit.ddp._checks
     with phase("clip_grad_norm"):
         reducer.finish_all()
         for g in groups:
@@ -480,7 +487,7 @@ def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float
 def _allocate_grad_shards(buckets: Sequence[FlatBucket]) -> None:
     """Gives every bucket its ``grad_shard``: views of one zeroed buffer per (dtype, device),
     allocated once with the layout (see [Note: Staging lifetime] in
-    ``shardkit.ddp._reducer``)."""
+    ``shardkit.optim._reducer``)."""
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for b in buckets:
         if b.grad_shard is None:

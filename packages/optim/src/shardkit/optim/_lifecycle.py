@@ -27,9 +27,13 @@ state first and raises a ``RuntimeError`` naming the call and the state when it 
     ``IDLE`` when the last is waited for. The next backward may start first (a bucket no
     forward touched): ``REDUCING`` then, and the pending gathers are still recorded.
 
-The group (``shardkit.ddp._bucket_group``) does the work (copies, collectives, the local step)
+Across the groups of one wrapper, the backward pass's own state (whether a synchronised
+backward is running, the next bucket to launch in the order over every group, the launched
+buckets not waited for yet) is one :class:`PassLife`, written only by its transitions too.
+
+The group (``shardkit.optim._bucket_group``) does the work (copies, collectives, the local step)
 and calls a transition at each point where the state changes; the wrapper's backward pass
-(``shardkit.ddp._reducer``) decides *when* (bucket order over every group, the staging pool).
+(``shardkit.optim._reducer``) decides *when* (bucket order over every group, the staging pool).
 Everything else reads.
 """
 
@@ -41,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from shardkit.optim import FlatBucket
+from shardkit.optim._flat import FlatBucket
 
-__all__ = ["BucketLife", "BucketPhase", "GroupLife", "GroupState", "Transition"]
+__all__ = ["BucketLife", "BucketPhase", "GroupLife", "GroupState", "PassLife", "Transition"]
 
 
 class GroupState(enum.Enum):
@@ -92,7 +96,7 @@ class BucketLife:
     base: torch.Tensor | None = None
     """The pool buffer ``staging`` is a prefix of (given back when the reduction finishes)."""
     work: Any = None
-    """The in-flight reduce-scatter (``shardkit.ddp._comm``'s pending record)."""
+    """The in-flight reduce-scatter (``shardkit.optim._comm``'s pending record)."""
     out: torch.Tensor | None = None
     """Where the in-flight reduce-scatter writes (``grad_shard`` or a range of ``staging``)."""
     add_out: bool = False
@@ -296,6 +300,65 @@ class GroupLife:
             b.bucket.mark_consumed()  # the next reduce-scatter overwrites the shard
             b.used.clear()
             b.clipped = False
+
+
+class PassLife:
+    """The state of the backward pass over every bucket group of one wrapper: see [Note:
+    Bucket group state] and [Note: Staging and launch order] in ``shardkit.optim._reducer``.
+
+    Read anywhere; written only by its transitions.
+    """
+
+    def __init__(self) -> None:
+        self.in_backward = False
+        """A reduction pass runs: from its first gradient (or ``reduce()``) to its flush."""
+        self.next_launch = 0
+        """The position, in the order over every group, of the next bucket to launch."""
+        self.inflight: list[tuple[Any, int]] = []
+        """The launched, unfinished buckets as (group, position), in launch order."""
+
+    def _illegal(self, call: str, why: str) -> RuntimeError:
+        state = "in a backward" if self.in_backward else "between backwards"
+        return RuntimeError(
+            f"backward pass: illegal transition {call}() {state}: {why}. This is a bug in "
+            f"shardkit (or a call made from inside one of its hooks); please report it with the "
+            f"traceback"
+        )
+
+    def reset(self) -> None:
+        """A new bucket layout: nothing launched (nothing may be in flight)."""
+        if self.inflight:
+            raise self._illegal("reset", f"{len(self.inflight)} reduce-scatters in flight")
+        self.in_backward = False
+        self.next_launch = 0
+
+    def start(self) -> None:
+        """A reduction pass starts (the previous one's reduce-scatters were waited for)."""
+        if self.inflight:
+            raise self._illegal("start", f"{len(self.inflight)} reduce-scatters in flight")
+        self.in_backward = True
+        self.next_launch = 0
+
+    def launched(self, group: Any, k: int) -> None:
+        """The next bucket in the order, ``k`` of ``group``, launched its reduce-scatter."""
+        self.inflight.append((group, k))
+        self.next_launch += 1
+
+    def finished(self, index: int) -> tuple[Any, int]:
+        """The launched bucket at ``index`` of :attr:`inflight` is being waited for; returns
+        it (group, position)."""
+        if not 0 <= index < len(self.inflight):
+            raise self._illegal("finished", f"no reduce-scatter in flight at {index}")
+        return self.inflight.pop(index)
+
+    def end(self) -> None:
+        """The pass flushed its last buckets (the end of backward, or ``reduce()``)."""
+        self.in_backward = False
+
+    def forget_aborted(self) -> None:
+        """Forgets a pass whose backward raised before its end (nothing of it in flight)."""
+        if self.in_backward and not self.inflight:
+            self.in_backward = False
 
 
 def _gaps(b: FlatBucket) -> list[tuple[int, int]]:
