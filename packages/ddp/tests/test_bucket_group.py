@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel, ShardedDataParallelConfig
-from shardkit.optim._lifecycle import BucketPhase, GroupState
 from shardkit.optim import EngineOptions, ShardedOptimizer
+from shardkit.optim._lifecycle import BucketPhase, GroupState
 from shardkit.testing import world
 from torch import nn
 
@@ -104,7 +104,9 @@ def test_options_as_a_config() -> None:
         broadcast_buffers=False,
         bucket_cap_mb=0.5,
     )
-    assert kwargs.ddp_config == ShardedDataParallelConfig(broadcast_buffers=False, bucket_cap_mb=0.5)
+    assert kwargs.ddp_config == ShardedDataParallelConfig(
+        broadcast_buffers=False, bucket_cap_mb=0.5
+    )
     assert kwargs.ddp_config.cap_bytes == 1 << 19 and kwargs.ddp_config.first_cap_bytes == 1 << 19
 
 
