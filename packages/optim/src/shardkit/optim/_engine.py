@@ -12,7 +12,8 @@ agreement at the first gradient of a synchronised backward, on the number of ``n
 entries since the last reduction, is the engine's: :meth:`Zero2Engine.enter_no_sync` counts
 them). So the adapter depends on this class, :class:`EngineOptions` and
 :class:`~shardkit.optim.CommStats` (and the bucket planning it already used), and an optim
-release that keeps their signatures keeps it working.
+release that keeps their signatures keeps it working (``tests/test_engine.py`` pins the
+surface).
 """
 
 from __future__ import annotations
