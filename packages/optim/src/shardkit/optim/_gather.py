@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from shardkit.optim._comm import _Comm, _Pending
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._guard import _ParamGuard, _Spans, arm, settle
+from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, settle
 from shardkit.optim._lifecycle import GroupLife
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import profiling
@@ -139,8 +139,7 @@ class _ParamGather:
     def _drained(self) -> None:
         if not self.pending:
             if self.guard is not None:
-                if self in self.guard.gathers:
-                    self.guard.gathers.remove(self)
+                disarm(self.guard, self)
                 self.guard = None
 
 

@@ -172,6 +172,14 @@ def arm(gather: _Gathers) -> _ParamGuard:
     return guard
 
 
+def disarm(guard: _ParamGuard, gather: _Gathers) -> None:
+    """Unregisters ``gather`` (nothing pending any more) from ``guard``; :func:`settle` takes
+    the guard off the stack at the next entry point once no gather is registered. With
+    :func:`arm`, the only writer of the guard's list."""
+    if gather in guard.gathers:
+        guard.gathers.remove(gather)
+
+
 def settle() -> None:
     """Takes this thread's guard off its mode stack if no gather is pending (at the wrappers'
     own entry points only: inside one of the guard's calls the mode is off the stack)."""

@@ -31,6 +31,12 @@ Across the groups of one wrapper, the backward pass's own state (whether a synch
 backward is running, the next bucket to launch in the order over every group, the launched
 buckets not waited for yet) is one :class:`PassLife`, written only by its transitions too.
 
+Two pieces stay with their own concern: the param-access guard's list of wrappers with
+gathers pending is thread-wide, across wrappers (written only by ``arm`` / ``disarm`` in
+``shardkit.optim._guard``, driven by the pending gathers recorded here), and the gradient
+factors of a pending unscale or clip belong to the local step (shardkit-optim's
+``ShardStepper``, shared in form with ZeRO-1's masters).
+
 The group (``shardkit.optim._bucket_group``) does the work (copies, collectives, the local step)
 and calls a transition at each point where the state changes; the wrapper's backward pass
 (``shardkit.optim._reducer``) decides *when* (bucket order over every group, the staging pool).

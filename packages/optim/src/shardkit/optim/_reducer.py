@@ -173,12 +173,12 @@ class _Reducer:
     launch order]), and the staging buffers are lent from one pool per wire dtype and device.
 
     Args:
-        comm: The wrapper's communication layer.
-        config: The wrapper's options (``reduce_dtype``, ``keep_staging_buffers``,
+        comm: The engine's communication layer.
+        config: The engine's options (``wire_dtype``, ``keep_staging_buffers``,
             ``gradient_as_bucket_view``).
         on_backward_start: Called at the first gradient of a synchronised backward, before
-            any collective of it (the wrapper's agreement; see shardkit-optim's [Note: Call
-            agreement]).
+            any collective of it (the engine's reduction agreement, ``Zero2Engine``; see
+            [Note: Call agreement]).
     """
 
     def __init__(
@@ -341,7 +341,7 @@ class _Reducer:
         if not self.enabled:
             return
         if not self.passes.in_backward:
-            self.on_backward_start()  # the wrapper's agreement: may raise
+            self.on_backward_start()  # the engine's agreement: may raise
             self.start_pass()
             queue_end_of_backward(self.flush)
         gi, k, i = self.where[id(p)]
