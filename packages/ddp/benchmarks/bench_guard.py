@@ -1,4 +1,4 @@
-"""What the param-access guard costs (issue 35; [Note: Param access guard] in shardkit.ddp._guard).
+"""What the param-access guard costs (issue 35; [Note: Param access guard] in shardkit.optim._guard).
 
 With ``overlap_param_gather=True`` (default) a ``TorchFunctionMode`` sees every torch function
 on the training thread from the end of ``step()`` until the last param gather is waited for.
@@ -60,7 +60,7 @@ def _model(layers: int, width: int) -> nn.Sequential:
 
 def _per_call_us() -> tuple[float, float]:
     """The guard's own time per inspected call and per metadata call (microseconds)."""
-    from shardkit.ddp._guard import _ParamGuard, _Spans
+    from shardkit.optim._guard import _ParamGuard, _Spans
 
     class _Pending:
         """A gather pending on a bucket the loop's tensor is not in: every call is matched,
@@ -96,8 +96,8 @@ def _per_call_us() -> tuple[float, float]:
 
 
 def _run(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
-    import shardkit.ddp._gather as gather_module
-    import shardkit.ddp._guard as guard_module
+    import shardkit.optim._gather as gather_module
+    import shardkit.optim._guard as guard_module
     from shardkit.ddp import ShardedDataParallel
     from shardkit.optim import ShardedOptimizer
 

@@ -8,7 +8,7 @@ construction ([Note: Counting our allocations] in ``shardkit.testing._allocation
 gradient the autograd kernel allocates for each param and the model's activations (not ours to
 remove), and what a collective allocates inside its own implementation (Gloo's reduce-scatter
 clones the chunks it does not own and its all-gather receives into a buffer of its own: [Note:
-Gloo list collectives] in ``shardkit.ddp._comm``; NCCL allocates neither).
+Gloo list collectives] in ``shardkit.optim._comm``; NCCL allocates neither).
 
 64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
 bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256

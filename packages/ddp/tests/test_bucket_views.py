@@ -85,7 +85,7 @@ def test_fallbacks_are_copies_with_the_same_bits() -> None:
         results = []
         for views in (False, True):
             sdp, opt = _wrap(copy.deepcopy(base), views, **kw)
-            with captured_logs("shardkit.ddp") as logs:
+            with captured_logs("shardkit.optim") as logs:
                 for step in range(3):
                     x, y = _batch(step)
                     if step > 0:

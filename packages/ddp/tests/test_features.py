@@ -304,18 +304,18 @@ def test_overlap_param_gather_matches_ddp() -> None:
             _loss(model, step).backward()
             o.step()
         if step == 0:  # in flight until the next forward
-            assert len(sdp._groups[0].gather.pending) == len(sdp._buckets)
+            assert len(sdp._engine.groups[0].gather.pending) == len(sdp._buckets)
         ref_opt.zero_grad()
         opt.zero_grad()  # touches no param: the gathers stay in flight for the forward
         if step == 0:
-            assert len(sdp._groups[0].gather.pending) == len(sdp._buckets)
+            assert len(sdp._engine.groups[0].gather.pending) == len(sdp._buckets)
     _loss(ref, 3).backward()
     _loss(sdp, 3).backward()
     ref_opt.step()
     opt.step()
-    assert sdp._groups[0].gather.pending
+    assert sdp._engine.groups[0].gather.pending
     sd = m.state_dict()  # waits for the gathers still in flight
-    assert not sdp._groups[0].gather.pending
+    assert not sdp._engine.groups[0].gather.pending
     for (n, a), b in zip(ref_m.named_parameters(), sd.values(), strict=True):
         assert torch.equal(a, b), n
 

@@ -1,7 +1,7 @@
 """Param all-gathers overlapped with the next forward (``overlap_param_gather``, default), and
 the guard that makes them invisible: every torch function on the training thread that touches
 a param whose gather is pending waits for that bucket first ([Note: Deferred param gather] in
-``shardkit.ddp._gather``, [Note: Param access guard] in ``shardkit.ddp._guard``).
+``shardkit.optim._gather``, [Note: Param access guard] in ``shardkit.optim._guard``).
 
 The post-step accesses of users (EMA, norms, clamps, load_state_dict) are checked bit for bit
 against DDP in ``tests-integration/test_post_step_access_parity.py``; this module checks the
@@ -16,7 +16,7 @@ import threading
 import weakref
 
 import pytest
-import shardkit.ddp._guard as guard_module
+import shardkit.optim._guard as guard_module
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -97,13 +97,13 @@ def test_params_read_on_any_path_in_forward_match_ddp(overlap: bool) -> None:
         opt.step()
         opt.zero_grad()
         if overlap:  # every gather is left to the next access, none is forced at the step
-            assert set(sdp._groups[0].gather.pending) == {b.index for b in sdp._buckets}
+            assert set(sdp._engine.groups[0].gather.pending) == {b.index for b in sdp._buckets}
             assert _stack() == [*before, _guard()]
         else:
-            assert not sdp._groups[0].gather.pending and _stack() == before
+            assert not sdp._engine.groups[0].gather.pending and _stack() == before
     for (n, a), b in zip(ref_m.named_parameters(), m.parameters(), strict=True):
         assert torch.equal(a, b), n  # the guard waited for each read: no wait_params() needed
-    assert not sdp._groups[0].gather.pending
+    assert not sdp._engine.groups[0].gather.pending
 
 
 @world(2)
@@ -118,24 +118,24 @@ def test_an_access_waits_for_its_own_bucket_only() -> None:
     bucket = {id(p): b.index for b in sdp._buckets for p in b.params}
     sdp(x).sum().backward()
     opt.step()
-    assert len(sdp._groups[0].gather.pending) == 4
+    assert len(sdp._engine.groups[0].gather.pending) == 4
     list(m.parameters())
     list(sdp.parameters())
     _ = (w0.shape, w0.grad, w0.dtype, w0.size(), w0.numel(), w0.stride(), hash(w0))
-    assert len(sdp._groups[0].gather.pending) == 4  # references and metadata read no values
+    assert len(sdp._engine.groups[0].gather.pending) == 4  # references and metadata read no values
     alias.sum()
-    assert set(sdp._groups[0].gather.pending) == {bucket[id(p)] for p in (m[0].bias, w2, m[2].bias)}
+    assert set(sdp._engine.groups[0].gather.pending) == {bucket[id(p)] for p in (m[0].bias, w2, m[2].bias)}
     w2.detach()[0].tolist()  # a view of a detached alias
-    assert bucket[id(w2)] not in sdp._groups[0].gather.pending
+    assert bucket[id(w2)] not in sdp._engine.groups[0].gather.pending
     opt.zero_grad()  # touches no param: the rest waits for the forward
-    assert len(sdp._groups[0].gather.pending) == 2
+    assert len(sdp._engine.groups[0].gather.pending) == 2
     sdp(x).sum().backward()
-    assert not sdp._groups[0].gather.pending and sdp._groups[0].gather.guard is None
+    assert not sdp._engine.groups[0].gather.pending and sdp._engine.groups[0].gather.guard is None
     opt.step()
     sdp.eval()
     with torch.no_grad():
         sdp(x)  # an eval forward waits through the pre-hooks, module by module
-    assert not sdp._groups[0].gather.pending
+    assert not sdp._engine.groups[0].gather.pending
 
 
 @world(2)
@@ -147,13 +147,13 @@ def test_writes_between_step_and_forward_are_kept() -> None:
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
     sdp(torch.randn(2, 3)).sum().backward()
     opt.step()
-    assert sdp._groups[0].gather.pending
+    assert sdp._engine.groups[0].gather.pending
     with torch.no_grad():
         m[0].weight.clamp_(-0.01, 0.01)  # WGAN's clip: other ranks' ranges included
         torch._foreach_mul_([m[0].bias.data], 0.0)
-    assert len(sdp._groups[0].gather.pending) == 2
+    assert len(sdp._engine.groups[0].gather.pending) == 2
     m[2].load_state_dict({k[2:]: v for k, v in saved.items() if k.startswith("2.")})
-    assert not sdp._groups[0].gather.pending
+    assert not sdp._engine.groups[0].gather.pending
     for k, v in m[2].state_dict().items():
         assert torch.equal(v, saved[f"2.{k}"]), k
     assert m[0].weight.abs().max() <= 0.01 and not m[0].bias.any()
@@ -172,12 +172,12 @@ def test_saves_with_gathers_pending_write_the_gathered_values(tmp_path: str) -> 
     for model, o in ((ref, ref_opt), (sdp, opt)):
         model(x).sum().backward()
         o.step()
-    assert len(sdp._groups[0].gather.pending) == 4
+    assert len(sdp._engine.groups[0].gather.pending) == 4
     buf = io.BytesIO()
     torch.save(captured["2.weight"], buf)  # one param, by a reference taken before the step
     buf.seek(0)
     assert torch.equal(torch.load(buf), ref_m[2].weight)
-    assert len(sdp._groups[0].gather.pending) == 3
+    assert len(sdp._engine.groups[0].gather.pending) == 3
     path = f"{tmp_path}/dcp-{dist.get_rank()}"
     writer = dcp.FileSystemWriter(path, thread_count=2)
     dcp.save({"w": captured["0.weight"]}, storage_writer=writer, no_dist=True)
@@ -237,7 +237,7 @@ def test_guard_is_not_armed_without_overlap() -> None:
     before = _clean()
     sdp(torch.randn(2, 3)).sum().backward()
     opt.step()
-    assert _stack() == before and not sdp._groups[0].gather.pending
+    assert _stack() == before and not sdp._engine.groups[0].gather.pending
 
 
 @world(2)
@@ -254,7 +254,7 @@ def test_a_wrapper_whose_last_gathers_nobody_touches_leaves_the_guard() -> None:
         sdp(torch.randn(2, 3)).sum().backward()
         opt.step()
         guard = _guard()
-        assert guard is not None and guard.gathers == [sdp._groups[0].gather]
+        assert guard is not None and guard.gathers == [sdp._engine.groups[0].gather]
         assert _stack() == [*before, guard]  # one guard, however many wrappers stepped
         alive = weakref.ref(sdp)
         del m, opt, sdp
@@ -290,7 +290,7 @@ def test_a_compiled_wrapper_reads_gathered_params() -> None:
         # every bucket the forward read was waited for (by a pre-hook or the guard); only
         # ``aux``'s, unread before step 2, may still be in flight
         aux = {b.index for b in sdp._buckets if any(p is m.aux.weight for p in b.params)}
-        assert set(sdp._groups[0].gather.pending) <= (aux if step < 2 else set()), step
+        assert set(sdp._engine.groups[0].gather.pending) <= (aux if step < 2 else set()), step
         nn.functional.mse_loss(out, y).backward()
         opt.step()
         opt.zero_grad()

@@ -2,7 +2,7 @@
 ``shardkit.ddp._profiling``).
 
 Rank bodies cannot use pytest's ``caplog`` (they run in the world's processes):
-``shardkit.testing.captured_logs("shardkit.ddp")`` does its job there.
+``shardkit.testing.captured_logs("shardkit.optim")`` (the engine logs there) does its job there.
 """
 
 from __future__ import annotations
@@ -69,18 +69,18 @@ def test_a_profile_that_ends_after_step_keeps_the_process_alive() -> None:
     in flight crashed torch's profiler (SIGSEGV, 3 runs of 3 at 20 iterations before the fix);
     under a profiler the gathers are waited in ``step()``, without one they stay deferred."""
     sdp, opt = _wrapped()
-    with captured_logs("shardkit.ddp") as logs:
+    with captured_logs("shardkit.optim") as logs:
         for _ in range(20):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 sdp(torch.randn(3, 5)).square().mean().backward()
                 opt.step()
-                assert not sdp._groups[0].gather.pending  # waited inside step()
+                assert not sdp._engine.groups[0].gather.pending  # waited inside step()
             assert "shardkit.ddp.all_gather" in {e.key for e in prof.key_averages()}
             opt.zero_grad()
     assert len(logs.matching("a torch profiler is running")) <= 1
     sdp(torch.randn(3, 5)).square().mean().backward()
     opt.step()
-    assert sdp._groups[0].gather.pending  # no profiler: deferred as before
+    assert sdp._engine.groups[0].gather.pending  # no profiler: deferred as before
 
 
 @world(2)
@@ -106,9 +106,9 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 
 @world(2)
 def test_gloo_collectives_fallback_is_logged_once() -> None:
-    import shardkit.ddp._comm as comm
+    import shardkit.optim._comm as comm
 
-    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.ddp") as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(comm, "_logged_gloo", False)
         for _ in range(2):
             sdp, opt = _wrapped()
@@ -121,13 +121,13 @@ def test_gloo_collectives_fallback_is_logged_once() -> None:
 def test_extra_staging_buffer_is_logged_once() -> None:
     """Three buckets receive gradients at once (the earliest-planned bucket waits for a param
     this backward does not use until the end): a third staging buffer, logged once."""
-    import shardkit.ddp._reducer as reducer
+    import shardkit.optim._reducer as reducer
 
     torch.manual_seed(0)
     model = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(4)])
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
     sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
-    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.ddp") as logs:
+    with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(reducer, "_warned_extra_staging", False)
         for _ in range(2):
             x = torch.randn(2, 4)
@@ -140,5 +140,5 @@ def test_extra_staging_buffer_is_logged_once() -> None:
     assert len(found) == 1, found
     # all four buckets hold a buffer at the end of backward (none launches before bucket 0);
     # the pool keeps them between steps: see [Note: Staging lifetime]
-    assert sum(sdp._reducer._count.values()) == 4, sdp._reducer._count
-    assert sdp.memory_bytes()["staging"] == sdp._reducer.staging_bytes() > 0
+    assert sum(sdp._engine.reducer._count.values()) == 4, sdp._engine.reducer._count
+    assert sdp.memory_bytes()["staging"] == sdp._engine.reducer.staging_bytes() > 0

@@ -21,15 +21,12 @@ _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # mismatched collectives (a Gloo abort) or waiting for the process group's timeout:
 # the buffer broadcast before a forward, the first gradient of every synchronised backward
 # (which also agrees on how many ``no_sync()`` blocks each rank entered since the last
-# reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()``; the step
-# agrees through ``ShardedOptimizer.check_step``. Each is one exchange on the c10d store
+# reduction), ``reduce()``, ``clip_grad_norm_()``, ``optimizer_state_dict()`` (all but the
+# buffer broadcast registered by the engine, shardkit-optim's ``_engine`` and ``_bucket_group``); the step agrees through
+# ``ShardedOptimizer.check_step``. Each is one exchange on the c10d store
 # (shardkit-optim's [Note: Agreement over the store]): no collective, nothing left pending
 # when it raises, so a rank that raised can exit.
-BACKWARD = register_call("ShardedDataParallel backward (gradient reduce-scatter)")
 FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
-REDUCE = register_call("ShardedDataParallel.reduce()")
-CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
-STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
 REFRESH = register_call("ShardedDataParallel.refresh_trainable()")
 
 

@@ -47,16 +47,16 @@ class ShardedDataParallelConfig:
     ``True`` / ``False`` forces one way."""
     overlap_param_gather: bool = True
     """Leave the param all-gathers of ``step()`` in flight until the next forward needs them
-    (see [Note: Deferred param gather] in ``shardkit.ddp._gather``)."""
+    (see [Note: Deferred param gather] in ``shardkit.optim._gather``)."""
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are staged and reduce-scattered in (``None``: each bucket's own);
-    see [Note: Reduce dtype] in ``shardkit.ddp._reducer``."""
+    see [Note: Reduce dtype] in ``shardkit.optim._reducer``."""
     keep_staging_buffers: bool = True
     """Keep the staging pool between steps (see [Note: Staging lifetime] in
-    ``shardkit.ddp._reducer``)."""
+    ``shardkit.optim._reducer``)."""
     gradient_as_bucket_view: bool = False
     """Let backward accumulate gradients straight into the staging buffers (see [Note:
-    Gradients as bucket views] in ``shardkit.ddp._reducer``)."""
+    Gradients as bucket views] in ``shardkit.optim._reducer``)."""
 
     def __post_init__(self) -> None:
         reduce_dtype_of(self.reduce_fp16, self.reduce_dtype)

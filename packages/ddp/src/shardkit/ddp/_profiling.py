@@ -1,4 +1,5 @@
-"""The profiler ranges of ``ShardedDataParallel`` (shardkit-optim's [Note: Profiler ranges]).
+"""The profiler ranges of ``ShardedDataParallel`` (shardkit-optim's [Note: Profiler ranges]);
+all but ``broadcast_buffers`` are opened by shardkit-optim's ZeRO-2 engine (``zero2_phase``).
 
 A profiler trace of a step shows, under ``shardkit.ddp.``:
 

@@ -1,7 +1,7 @@
 """``ShardedDataParallel``: ZeRO-2 data parallelism that moves exactly DDP's bytes.
 
 How the wrapped optimizers are driven: [Note: Optimizer hand-over] in
-``shardkit.ddp._bucket_group``; the options: ``shardkit.ddp._config``.
+``shardkit.optim._bucket_group``; the options: ``shardkit.ddp._config``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from shardkit.ddp._bucket_group import BucketGroup, clip_groups
 from shardkit.ddp._checks import (
-    BACKWARD,
     FORWARD,
-    REDUCE,
     REFRESH,
     agree,
     agree_plan,
@@ -26,13 +23,18 @@ from shardkit.ddp._checks import (
     check_params,
     optimizers_of,
 )
-from shardkit.ddp._comm import CommStats, _Comm
 from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
-from shardkit.ddp._placeholders import drop_grads
 from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import _Reducer, param_map
-from shardkit.optim import FlatBucket, ShardedOptimizer, build_flat_buckets, is_elementwise
+from shardkit.optim import (
+    CommStats,
+    EngineOptions,
+    FlatBucket,
+    ShardedOptimizer,
+    Zero2Engine,
+    build_flat_buckets,
+    is_elementwise,
+)
 from shardkit.partition import check_consistent
 from torch import nn
 
@@ -48,9 +50,9 @@ class ShardedDataParallel(nn.Module):
     that owns them; ``optimizer.step()`` steps every rank's shard and all-gathers the params.
     Per step each rank sends what DDP's all-reduce sends, holds ``1/N`` of the gradients and of
     the optimizer state (and of the fp32 masters with ``master_dtype``), plus a pool of at most
-    two staging buckets (see [Note: Staging lifetime] in ``shardkit.ddp._reducer``).
+    two staging buckets (see [Note: Staging lifetime] in ``shardkit.optim._reducer``).
     See [Note: Owner-contiguous buckets] (``shardkit.optim._flat``) for the layout and
-    [Note: Optimizer hand-over] (``shardkit.ddp._bucket_group``) for how the optimizers are
+    [Note: Optimizer hand-over] (``shardkit.optim._bucket_group``) for how the optimizers are
     driven.
 
     Gradients and clipping: after a synchronised backward a param's ``.grad`` is a memory-less
@@ -60,7 +62,7 @@ class ShardedDataParallel(nn.Module):
     :meth:`clip_grad_norm_` (or ``optimizer.clip_grad_norm``) after backward and before
     ``step()``; it raises after ``step()`` or when called twice. Backwards under
     :meth:`no_sync` leave full local gradients in ``.grad``, as DDP does. See [Note:
-    Reduced-grad placeholders] in ``shardkit.ddp._placeholders``.
+    Reduced-grad placeholders] in ``shardkit.optim._placeholders``.
 
     ``copy.deepcopy`` of the wrapped module gives a plain module (finished params, no hooks,
     no process group), as under DDP; see [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``.
@@ -101,13 +103,13 @@ class ShardedDataParallel(nn.Module):
             functional use in forward) waits for it first, so it reads and writes what DDP
             would show. Another thread, raw pointers and C++ extensions are not seen: call
             :meth:`wait_params` before them. ``False``: ``step()`` returns once every param is
-            gathered. See [Note: Deferred param gather] in ``shardkit.ddp._gather`` and
-            [Note: Param access guard] in ``shardkit.ddp._guard``.
+            gathered. See [Note: Deferred param gather] in ``shardkit.optim._gather`` and
+            [Note: Param access guard] in ``shardkit.optim._guard``.
         reduce_dtype: the dtype gradients are staged and reduce-scattered in (``None``: each
             bucket's own dtype). ``torch.float16`` / ``torch.bfloat16`` on an fp32 model halve
             the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
             ``torch.float32`` on a bf16 model sums in fp32. The reduced shard is kept in the
-            params' dtype. See [Note: Reduce dtype] in ``shardkit.ddp._reducer``.
+            params' dtype. See [Note: Reduce dtype] in ``shardkit.optim._reducer``.
         keep_staging_buffers: ``True`` (default): the (at most two) bucket-sized staging
             buffers are allocated by the first backward and kept from one step to the next,
             so no later step allocates a bucket-sized tensor (the local step borrows them as
@@ -117,14 +119,14 @@ class ShardedDataParallel(nn.Module):
             reduction, so between steps a rank holds params, grad shards and optimizer state
             only: on CUDA the caching allocator lends those blocks to the next forward's
             activations; every backward allocates them again (on CPU, fresh pages each step).
-            See [Note: Staging lifetime] in ``shardkit.ddp._reducer``.
+            See [Note: Staging lifetime] in ``shardkit.optim._reducer``.
         gradient_as_bucket_view: ``True``: in a synchronised backward each param's ``.grad``
             is a zeroed view of its bucket's staging buffer, which ``AccumulateGrad`` adds the
             gradient into, so there is no staging copy (DDP's option of that name). ``False``
             (default): the post-accumulate hook copies the gradient, times ``1/N``, into the
             buffer. Same bits, same memory; the copy moves fewer bytes (one multiply-copy
             against a zero, an add and a scale), so it is the default. See [Note: Gradients as bucket
-            views] in ``shardkit.ddp._reducer``.
+            views] in ``shardkit.optim._reducer``.
         config: the options above as one :class:`ShardedDataParallelConfig` (then leave the
             keyword arguments at their defaults).
 
@@ -198,19 +200,21 @@ class ShardedDataParallel(nn.Module):
         self.group: dist.ProcessGroup = opts[0].group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self._comm = _Comm(self.group)
         check_params(module, [o.param_groups for o in opts])
         agree_structure(module, opts[0].group)  # before any collective on params/buffers
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
-        self._no_sync_entries = 0
         self._no_sync = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
-        self._reducer = _Reducer(
-            self._comm, self.ddp_config, on_backward_start=lambda: self._agree_reduction(BACKWARD)
+        options = EngineOptions(
+            wire_dtype=given.wire_dtype,
+            overlap_param_gather=given.overlap_param_gather,
+            keep_staging_buffers=given.keep_staging_buffers,
+            gradient_as_bucket_view=given.gradient_as_bucket_view,
         )
-        self._groups: list[BucketGroup] = []
-        """One owner per wrapped optimizer (see [Note: Bucket group state])."""
+        self._engine = Zero2Engine(opts, options)
+        """The ZeRO-2 engine this module adapter drives (see shardkit-optim's [Note: One
+        engine, one adapter])."""
         self._build(self.ddp_config.sync_models_at_startup)
         devices = {p.device for p in params}
         self.is_multi_device_module = len(devices) > 1
@@ -218,7 +222,7 @@ class ShardedDataParallel(nn.Module):
         self._handles: list[Any] = []
         for sub in module.modules():
             if sub is module or next(sub.parameters(recurse=False), None) is not None:
-                # See [Note: Deferred param gather] in shardkit.ddp._gather: every module that
+                # See [Note: Deferred param gather] in shardkit.optim._gather: every module that
                 # holds params waits before its forward, its state_dict() and load_state_dict()
                 hooked = cast(Any, sub)
                 self._handles += [
@@ -227,9 +231,8 @@ class ShardedDataParallel(nn.Module):
                     hooked.register_load_state_dict_pre_hook(_Hook(self._before_state_dict)),
                 ]
                 make_deepcopy_plain(sub, self.wait_params)  # See [Note: Plain deepcopy]
-        for g in self._groups:  # See [Note: Optimizer hand-over]
-            g.opt.attach_driver(g)
-        self._comm.stats.reset()
+        self._engine.attach()  # See [Note: Optimizer hand-over]
+        self._engine.stats.reset()
 
     def _build(self, sync: bool) -> None:
         """Plans the buckets of the trainable params, re-points them into the flat buffers, and
@@ -255,23 +258,12 @@ class ShardedDataParallel(nn.Module):
                 [b for bs in per_opt for b in bs],
                 [p for o in opts for g in o.param_groups for p in g["params"]],
             )
-        where = param_map(per_opt)  # the layout's one param map
-        for k, (o, buckets) in enumerate(zip(opts, per_opt, strict=True)):
-            if k < len(self._groups):
-                self._groups[k].rebuild(buckets, self.module, where)
-            else:
-                self._groups.append(
-                    BucketGroup(
-                        k, o, self._comm, config, self._reducer, buckets, self.module, where
-                    )
-                )
-        # See [Note: Reduced-grad placeholders] in shardkit.ddp._placeholders
-        self._reducer.lay_out(self._groups, where)
+        self._engine.lay_out(per_opt, self.module)
 
     @property
     def _buckets(self) -> list[FlatBucket]:
         """Every bucket of every group, in launch order."""
-        return [b for g in self._groups for b in g.buckets]
+        return self._engine.buckets
 
     # ------------------------------------------------------------------ options
     @property
@@ -292,7 +284,7 @@ class ShardedDataParallel(nn.Module):
     @property
     def reduce_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in (``reduce_fp16`` resolved); ``None``: each
-        bucket's own. See [Note: Reduce dtype] in ``shardkit.ddp._reducer``."""
+        bucket's own. See [Note: Reduce dtype] in ``shardkit.optim._reducer``."""
         return self.ddp_config.wire_dtype
 
     @property
@@ -302,26 +294,26 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def gradient_as_bucket_view(self) -> bool:
-        """See [Note: Gradients as bucket views] in ``shardkit.ddp._reducer``."""
+        """See [Note: Gradients as bucket views] in ``shardkit.optim._reducer``."""
         return self.ddp_config.gradient_as_bucket_view
 
     @property
     def last_closure_loss(self) -> Any:
         """The loss of the last closure a wrapped optimizer's ``step(closure)`` ran (fairscale's
         attribute); ``None`` before any."""
-        return max(self._groups, key=lambda g: g.closure_order).last_closure_loss
+        return self._engine.last_closure_loss
 
     # ------------------------------------------------------------------ set-up
     def _sync_at_startup(self, buckets: list[FlatBucket], params: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for b in buckets:
-                self._comm.broadcast(b.flat, 0)
+                self._engine.broadcast(b.flat, 0)
             bucketed = {id(p) for b in buckets for p in b.params}
             for p in params:
                 if id(p) not in bucketed:
-                    self._comm.broadcast(p.data, 0)
+                    self._engine.broadcast(p.data, 0)
             for buf in self.module.buffers():
-                self._comm.broadcast(buf, 0)
+                self._engine.broadcast(buf, 0)
 
     @property
     def sharded_optimizer(self) -> ShardedOptimizer:
@@ -382,18 +374,17 @@ class ShardedDataParallel(nn.Module):
                             f"(double backward / create_graph=True): ShardedDataParallel reduces "
                             f"detached gradients; use torch DDP for higher-order gradients"
                         )
-            where = self._reducer.where  # a param is in the layout iff it was trainable
-            if self.auto_refresh_trainable and any(
-                p.requires_grad != (id(p) in where) for p in self.module.parameters()
+            if self.auto_refresh_trainable and self._engine.trainable_changed(
+                self.module.parameters()
             ):
                 self.refresh_trainable()  # See [Note: Trainable refresh]
-        self._reducer.end_aborted_pass()  # the last backward raised before its end
+        self._engine.forward_started()  # forgets a backward that raised before its end
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self._sync_buffers_next:
             self._agree(FORWARD)  # See [Note: Wrapper agreements]
             with torch.no_grad(), phase("broadcast_buffers"):
                 for buf in buffers:
-                    self._comm.broadcast(buf, 0)
+                    self._engine.broadcast(buf, 0)
         out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         return out
@@ -428,21 +419,21 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel.refresh_trainable(): ranks changed requires_grad on "
                 "different params; every rank must freeze and unfreeze the same params"
             )
-        if any(g.has_reduced_grads() for g in self._groups):  # agreed: launches are collective
+        if self._engine.has_reduced_grads():  # agreed: launches are collective
             raise RuntimeError(
                 "requires_grad changed while reduced gradients wait for optimizer.step(): call "
                 "step() or zero_grad() before changing which params train"
             )
         check_params(self.module, [o.param_groups for o in self.sharded_optimizers])
         # each optimizer_state_dict() waits for the reductions and the param gathers first
-        states = [g.full_state_dict() for g in self._groups]
+        states = [self._engine.full_state_dict(k) for k in range(len(self.sharded_optimizers))]
         with torch.no_grad():
             for b in self._buckets:
                 for p in b.params:
                     p.data = p.data.clone()  # off the old flat buffer
         self._build(sync=False)
-        for g, sd in zip(self._groups, states, strict=True):
-            g.load_full_state_dict(sd)
+        for k, sd in enumerate(states):
+            self._engine.load_full_state_dict(k, sd)
         logger.info(
             "ShardedDataParallel: requires_grad changed, bucket layout rebuilt (%d trainable "
             "params, %d buckets)",
@@ -457,59 +448,43 @@ class ShardedDataParallel(nn.Module):
         a full-size local gradient while accumulating)."""
         old = self._no_sync
         self._no_sync = True
-        self._no_sync_entries += 1  # agreed at the next reduction: see _agree_reduction
-        self._reducer.set_enabled(False)
+        self._engine.enter_no_sync()  # counted, agreed at the next reduction
         try:
             yield
         finally:
             self._no_sync = old
-            self._reducer.set_enabled(not old)
+            self._engine.set_sync(not old)
 
     def reduce(self) -> None:
         """Reduces the gradients accumulated in ``.grad`` (under ``no_sync()``) now, outside a
         backward pass (fairscale's manual reduction). Collective."""
-        if self._reducer.in_backward:
+        if self._engine.in_backward:
             raise RuntimeError("ShardedDataParallel.reduce() cannot run inside a backward pass")
-        self._agree_reduction(REDUCE)
-        self._reducer.start_pass()
-        self._reducer.flush()
+        self._engine.reduce()
 
     # ------------------------------------------------------------------ agreement
     def _agree(self, call: str, digest: int = 0) -> bool:
         """See [Note: Wrapper agreements] in ``shardkit.ddp._checks``."""
         return agree(call, self.sharded_optimizers[0], digest)
 
-    def _agree_reduction(self, call: str) -> None:
-        entries, self._no_sync_entries = self._no_sync_entries, 0
-        if not self._agree(call, digest=entries):
-            raise RuntimeError(
-                f"{call}: ranks entered no_sync() a different number of times since the last "
-                f"reduction (this rank: {entries}); every rank must accumulate under no_sync() "
-                f"alike, or the reduced gradients mix different numbers of micro-batches"
-            )
-
     def wait_params(self) -> None:
         """Waits for every param all-gather still in flight.
 
         Torch functions on the training thread wait by themselves ([Note: Param access guard]
-        in ``shardkit.ddp._guard``); call this before params are read where no torch function
+        in ``shardkit.optim._guard``); call this before params are read where no torch function
         is seen: from another thread, through a raw pointer or a C++ extension.
         """
-        for g in self._groups:
-            g.wait_params()
+        self._engine.wait_params()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        for g in self._groups:
-            g.gather.before_module(module)
+        self._engine.before_forward(module)
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: reduced shards and ``.grad`` left by ``no_sync()``."""
-        for g in self._groups:
-            g.discard_gradients()
-        drop_grads(self.module.parameters(), set_to_none)
+        self._engine.zero_grad(self.module.parameters(), set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the reduced gradients by their global norm (over every rank's shard).
@@ -530,28 +505,27 @@ class ShardedDataParallel(nn.Module):
             RuntimeError: on every rank, when no gradient was reduced since the last
                 ``step()`` / ``zero_grad()`` (e.g. called after the step), when these
                 gradients were already clipped (called twice), or when ranks disagree on
-                either. See [Note: Clip agreement] in ``shardkit.ddp._reducer``.
+                either. See [Note: Clip agreement] in ``shardkit.optim._reducer``.
         """
-        return clip_groups(self._groups, max_norm, norm_type)
+        return self._engine.clip_grad_norm(max_norm, norm_type)
 
     # ------------------------------------------------------------------ state
-    def _group_of(self, optimizer: int | ShardedOptimizer | None) -> BucketGroup:
+    def _index_of(self, optimizer: int | ShardedOptimizer | None) -> int:
+        opts = self.sharded_optimizers
         if optimizer is None:
-            if len(self._groups) != 1:
+            if len(opts) != 1:
                 raise ValueError(
-                    f"this ShardedDataParallel wraps {len(self._groups)} optimizers: name one "
+                    f"this ShardedDataParallel wraps {len(opts)} optimizers: name one "
                     f"(optimizer=k or the optimizer itself)"
                 )
-            return self._groups[0]
-        for g in self._groups:
-            if optimizer is g.opt or (
-                isinstance(optimizer, int)
-                and not isinstance(optimizer, bool)
-                and optimizer == g.index
+            return 0
+        for k, o in enumerate(opts):
+            if optimizer is o or (
+                isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer == k
             ):
-                return g
+                return k
         raise ValueError(
-            f"optimizer must be None, an index below {len(self._groups)} or one of the wrapped "
+            f"optimizer must be None, an index below {len(opts)} or one of the wrapped "
             f"optimizers, got {optimizer!r}"
         )
 
@@ -563,7 +537,7 @@ class ShardedDataParallel(nn.Module):
 
         See [Note: Optimizer state format] in ``shardkit.optim._shard_state``.
         """
-        return self._group_of(optimizer).full_state_dict()
+        return self._engine.full_state_dict(self._index_of(optimizer))
 
     def load_optimizer_state_dict(
         self, state_dict: dict[str, Any], optimizer: int | ShardedOptimizer | None = None
@@ -571,23 +545,17 @@ class ShardedDataParallel(nn.Module):
         """Loads a full optimizer state dict (from :meth:`optimizer_state_dict`, a consolidated
         ``ShardedOptimizer`` or a plain torch optimizer) into this rank's shards of a wrapped
         optimizer (``None``: the only one; else its index or itself)."""
-        self._group_of(optimizer).load_full_state_dict(state_dict)
+        self._engine.load_full_state_dict(self._index_of(optimizer), state_dict)
 
     @property
     def comm_stats(self) -> CommStats:
         """Counters of every collective issued since construction (see ``CommStats``)."""
-        return self._comm.stats
+        return self._engine.stats
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of tensors this rank holds by kind: ``params`` (flat buffers), ``grads`` (grad
         shards), ``staging`` (the staging pool, kept between steps by default, which is also
-        the local step's scratch: see [Note: Staging lifetime] in ``shardkit.ddp._reducer``),
+        the local step's scratch: see [Note: Staging lifetime] in ``shardkit.optim._reducer``),
         ``optimizer`` (state and masters). Live tensors only: what a process keeps resident
         can be more (the allocator's cache, the backend's own buffers)."""
-        each = [g.memory_bytes() for g in self._groups]
-        return {
-            "params": sum(m["params"] for m in each),
-            "grads": sum(m["grads"] for m in each),
-            "staging": self._reducer.staging_bytes(),
-            "optimizer": sum(m["optimizer"] for m in each),
-        }
+        return dict(self._engine.memory_bytes())

@@ -3,7 +3,9 @@
 It also owns the sharding engine the other distributions drive (``docs/engine.md``): the
 ZeRO-1 partition (:class:`ShardLayout`) and driver contract (:class:`StepDriver`,
 :class:`ShardOwner`), and ZeRO-2's owner-contiguous flat buckets (:class:`FlatBucket`), the
-local step of a rank's shards (:class:`ShardStepper`) and their state dicts.
+local step of a rank's shards (:class:`ShardStepper`) and their state dicts, and the ZeRO-2
+engine a module adapter drives (:class:`Zero2Engine`, :class:`EngineOptions`,
+:class:`CommStats`): one owner per bucket group, from the grad hook to the next forward.
 
 Sharded checkpoints (:func:`save_sharded`, :func:`load_sharded`, :func:`load_consolidated`)
 ride on shardkit-checkpoint; :class:`SafeFileSystemReader` and :class:`UnsafeCheckpointError`
@@ -37,8 +39,10 @@ from shardkit.optim._clip import (
     check_clip_args,
     grad_norm_partial,
 )
+from shardkit.optim._comm import CommStats
 from shardkit.optim._dist import AllGather, global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
+from shardkit.optim._engine import Zero2Engine
 from shardkit.optim._flat import (
     ELEMENTWISE_OPTIMIZERS,
     FlatBucket,
@@ -47,6 +51,7 @@ from shardkit.optim._flat import (
 )
 from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._grad_scaler import ShardedGradScaler
+from shardkit.optim._options import EngineOptions
 from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._shard_state import (
     ParkedState,
@@ -67,6 +72,8 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "OSS",
     "AllGather",
+    "CommStats",
+    "EngineOptions",
     "FlatBucket",
     "GradFactors",
     "GradNorm",
@@ -81,6 +88,7 @@ __all__ = [
     "ShardedOptimizer",
     "StepDriver",
     "UnsafeCheckpointError",
+    "Zero2Engine",
     "ZeroRedundancyOptimizer",
     "__version__",
     "agree_call",

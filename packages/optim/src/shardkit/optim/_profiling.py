@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from shardkit.optim._torch_compat import profiling
 
-__all__ = ["profiler_range", "profiling"]
+__all__ = ["profiler_range", "profiling", "zero2_phase"]
 
 _NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
 
@@ -38,3 +38,9 @@ def profiler_range(name: str, index: int | None = None) -> AbstractContextManage
     if not profiling():
         return _NO_RANGE
     return torch.profiler.record_function(name if index is None else f"{name}[{index}]")
+
+
+def zero2_phase(name: str, index: int | None = None) -> AbstractContextManager[Any]:
+    """A range of the ZeRO-2 engine, named under ``shardkit.ddp.`` (the wrapper users see;
+    the names are listed in ``shardkit.ddp._profiling``); see [Note: Profiler ranges]."""
+    return profiler_range(f"shardkit.ddp.{name}", index)

@@ -23,6 +23,15 @@ instead of keeping copies).
   first-writer-wins, a ``wait`` that times out and leaves the client usable, ``multi_get``,
   ``delete_key``.
 
+* The torch-function mode stack (``torch._C._len_torch_function_stack``,
+  ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): the param-access guard
+  ([Note: Param access guard] in ``shardkit.optim._guard``) is a ``TorchFunctionMode`` that is
+  pushed at the end of ``step()`` and must leave the stack once the last param gather is
+  waited for, wherever it then sits in the stack. The public ``TorchFunctionMode.__exit__``
+  pops the *top* mode, which is another mode's when the user entered one in between (e.g.
+  ``with torch.device("meta"):`` or a ``FlopCounterMode`` around the forward).
+  ``tests/test_torch_compat_modes.py`` pins the calls.
+
 * ``torch.Tensor._version``: the version counter autograd keeps per tensor, bumped by every
   in-place op on it (``copy_`` in ``load_state_dict``, ``nn.init``, ``p.mul_``), not by writes
   through ``p.data`` nor through another tensor that shares its storage without being its view
@@ -49,13 +58,16 @@ import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.distributed.distributed_c10d import Store
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "all_gather_single",
     "default_store",
     "profiling",
+    "push_function_mode",
     "queue_end_of_backward",
     "reduce_scatter_single",
+    "remove_function_mode",
     "tensor_version",
 ]
 
@@ -124,3 +136,25 @@ def profiling() -> bool:
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter: it changes with every in-place op on ``t`` or its views."""
     return int(t._version)  # noqa: SLF001 (pinned torch internal)
+
+
+def push_function_mode(mode: TorchFunctionMode) -> None:
+    """Pushes ``mode`` on this thread's torch-function mode stack (what ``with mode:`` does on
+    entry; :func:`remove_function_mode` takes it off again)."""
+    torch._C._push_on_torch_function_stack(mode)  # noqa: SLF001 (pinned torch internal)
+
+
+def remove_function_mode(mode: TorchFunctionMode) -> bool:
+    """Takes ``mode`` off this thread's torch-function mode stack, wherever it sits; the modes
+    above it stay, in their order. Returns whether ``mode`` was on the stack."""
+    above: list[TorchFunctionMode] = []
+    found = False
+    for _ in range(torch._C._len_torch_function_stack()):  # noqa: SLF001 (pinned torch internal)
+        top = torch._C._pop_torch_function_stack()  # noqa: SLF001 (pinned torch internal)
+        if top is mode:
+            found = True
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)  # noqa: SLF001 (pinned torch internal)
+    return found

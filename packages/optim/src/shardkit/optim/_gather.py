@@ -7,7 +7,7 @@ so this is roughly the order forward needs them; the order is the same on every 
 pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
 holds params of that bucket (FSDP2's pre-forward unshard, Megatron's ``overlap_param_gather``),
 and, for every other access, by the param-access guard ([Note: Param access guard] in
-``shardkit.ddp._guard``): any torch function on the training thread that touches the storage of
+``shardkit.optim._guard``): any torch function on the training thread that touches the storage of
 a pending bucket waits for it first, so reads and writes between ``step()`` and the next
 forward, or in a forward on a path no pre-hook covers, see what DDP would show. The wrapper's
 own entry points that read every param (the next step, clipping, ``wait_params()``,
@@ -33,24 +33,26 @@ gathers stay deferred.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from shardkit.ddp._comm import _Comm, _Pending
-from shardkit.ddp._guard import _ParamGuard, _Spans, arm, settle
-from shardkit.ddp._profiling import phase
-from shardkit.optim import FlatBucket, profiling
+from shardkit.optim._comm import _Comm, _Pending
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, settle
+from shardkit.optim._lifecycle import GroupLife
+from shardkit.optim._profiling import zero2_phase as phase
+from shardkit.optim._torch_compat import profiling
 from torch import nn
 
 __all__: list[str] = []
 
-logger = logging.getLogger("shardkit.ddp")
+logger = logging.getLogger("shardkit.optim")
 _logged_profiling = False
 
 
 class _ParamGather:
     """Issues and waits for the param all-gathers of one bucket group's buckets; see [Note:
-    Deferred param gather]. Built by its :class:`~shardkit.ddp._bucket_group.BucketGroup`
+    Deferred param gather]. Built by its :class:`~shardkit.optim._bucket_group.BucketGroup`
     with each bucket layout.
 
     Args:
@@ -58,7 +60,8 @@ class _ParamGather:
         overlap: ``overlap_param_gather``: leave the gathers in flight after ``issue``.
         module_buckets: Buckets (indices) of the params each module owns directly.
         buckets: The group's buckets (their flat buffers are what the guard watches).
-        on_drained: Called when the last pending gather was waited for.
+        life: The group's state machine, which records the pending gathers ([Note: Bucket
+            group state] in ``shardkit.optim._lifecycle``).
     """
 
     def __init__(
@@ -67,18 +70,22 @@ class _ParamGather:
         overlap: bool,
         module_buckets: dict[nn.Module, list[int]],
         buckets: Sequence[FlatBucket],
-        on_drained: Callable[[], None],
+        life: GroupLife,
     ) -> None:
         self.comm = comm
         self.overlap = overlap
-        self.pending: dict[int, _Pending] = {}
+        self.life = life
         self.module_buckets = module_buckets
         """Buckets of the params each module owns directly (``recurse=False``)."""
         self.spans = _Spans((b.index, b.flat) for b in buckets)
         """Byte ranges of the flat buffers (see [Note: Param access guard])."""
         self.guard: _ParamGuard | None = None
         """The guard this gather is registered with while something is pending."""
-        self.on_drained = on_drained
+
+    @property
+    def pending(self) -> Mapping[int, _Pending]:
+        """The pending gathers, by bucket index (the state machine's record)."""
+        return self.life.gathers
 
     def issue(self, buckets: Sequence[FlatBucket]) -> None:
         """All-gathers every rank's range of ``buckets`` (async); waits at once unless
@@ -90,7 +97,8 @@ class _ParamGather:
                 # supports it; Gloo gathers into a buffer of its own and copies back). Nothing
                 # writes the range before the gather is waited for: the guard makes every
                 # access wait first.
-                self.pending[b.index] = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank))
+                work = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank))
+                self.life.gather_issued(b.index, work)
         if not self.overlap or (self.comm.gloo and profiling()):
             if self.overlap:
                 _log_profiling_once()
@@ -100,10 +108,9 @@ class _ParamGather:
 
     def wait(self, index: int) -> None:
         """Waits for bucket ``index``'s gather if it is pending."""
-        pending = self.pending.pop(index, None)
-        if pending is not None:
+        if index in self.life.gathers:
             with phase("wait_params", index):
-                self.comm.wait(pending)
+                self.comm.wait(self.life.gather_done(index))
             self._drained()
 
     def wait_all(self) -> None:
@@ -111,7 +118,7 @@ class _ParamGather:
         if self.pending:
             with phase("wait_params"):
                 for index in sorted(self.pending, reverse=True):
-                    self.comm.wait(self.pending.pop(index))
+                    self.comm.wait(self.life.gather_done(index))
             self._drained()
         settle()
 
@@ -132,10 +139,8 @@ class _ParamGather:
     def _drained(self) -> None:
         if not self.pending:
             if self.guard is not None:
-                if self in self.guard.gathers:
-                    self.guard.gathers.remove(self)
+                disarm(self.guard, self)
                 self.guard = None
-            self.on_drained()
 
 
 def _log_profiling_once() -> None:

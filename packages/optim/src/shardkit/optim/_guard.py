@@ -2,7 +2,7 @@
 
 [Note: Param access guard]
 With ``overlap_param_gather`` (default) ``step()`` returns while the param all-gathers are still
-in flight ([Note: Deferred param gather] in ``shardkit.ddp._gather``). Until a bucket's gather
+in flight ([Note: Deferred param gather] in ``shardkit.optim._gather``). Until a bucket's gather
 is waited for, the ranges of its flat buffer that other ranks own hold the previous step's
 values, and a write there would be overwritten when the gather lands. DDP, FSDP2 and DeepSpeed
 have no such window, so a user's read or write in it must not see one either: an EMA update, a
@@ -29,7 +29,7 @@ One guard per thread serves every wrapper (:func:`arm` registers a wrapper's gat
 the guard of the thread that steps it): it is pushed at the end of a ``step()`` and leaves the
 stack at the next point where a wrapper's own code runs (a forward pre-hook,
 ``wait_params()``, a step) once no gather is pending, wherever it then sits in the stack (the
-user may have entered modes above it; see ``shardkit.ddp._torch_compat``). While it is on the
+user may have entered modes above it; see ``shardkit.optim._torch_compat``). While it is on the
 stack with nothing pending it only forwards each call. A wrapper whose last gathers nothing
 ever touches (training ended after a ``step()``) must not keep the guard busy or itself
 alive: every few calls the guard also polls the pending works and forgets the finished ones
@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from shardkit.ddp._placeholders import METADATA_READS
-from shardkit.ddp._torch_compat import push_function_mode, remove_function_mode
+from shardkit.optim._placeholders import METADATA_READS
+from shardkit.optim._torch_compat import push_function_mode, remove_function_mode
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -97,13 +97,13 @@ _POLL = 32
 
 
 class _Gathers(Protocol):
-    """What the guard needs of one wrapper's param gathers (``shardkit.ddp._gather``)."""
+    """What the guard needs of one wrapper's param gathers (``shardkit.optim._gather``)."""
 
     @property
     def spans(self) -> _Spans: ...
 
     @property
-    def pending(self) -> dict[int, Any]: ...
+    def pending(self) -> Mapping[int, Any]: ...
 
     def wait(self, index: int) -> None: ...
 
@@ -170,6 +170,14 @@ def arm(gather: _Gathers) -> _ParamGuard:
         push_function_mode(guard)
         guard.on_stack = True
     return guard
+
+
+def disarm(guard: _ParamGuard, gather: _Gathers) -> None:
+    """Unregisters ``gather`` (nothing pending any more) from ``guard``; :func:`settle` takes
+    the guard off the stack at the next entry point once no gather is registered. With
+    :func:`arm`, the only writer of the guard's list."""
+    if gather in guard.gathers:
+        guard.gathers.remove(gather)
 
 
 def settle() -> None:

@@ -22,11 +22,12 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import all_gather_single, global_rank, reduce_scatter_single
+from shardkit.optim._dist import global_rank
+from shardkit.optim._torch_compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["CommStats"]
 
-logger = logging.getLogger("shardkit.ddp")
+logger = logging.getLogger("shardkit.optim")
 _logged_gloo = False
 
 
@@ -34,7 +35,7 @@ _logged_gloo = False
 class CommStats:
     """Counters of the collectives one ``ShardedDataParallel`` issued (this rank).
 
-    ``bytes`` is the ring-model volume (see [Note: Byte accounting] in ``shardkit.ddp._comm``)
+    ``bytes`` is the ring-model volume (see [Note: Byte accounting] in ``shardkit.optim._comm``)
     by kind (``"reduce_scatter"``, ``"all_gather"``, ``"all_reduce"``, ``"broadcast"``);
     ``calls`` the number of collectives by kind; ``seconds`` the time from issue to completion
     by kind (only for works that were waited on by the package).

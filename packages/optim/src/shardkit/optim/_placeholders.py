@@ -90,7 +90,7 @@ METADATA_READS = frozenset(
     )
 )
 """Tensor methods that read a tensor's metadata, never its values (shared with the param-access
-guard, ``shardkit.ddp._guard``)."""
+guard, ``shardkit.optim._guard``)."""
 _METADATA = METADATA_READS | {"untyped_storage", "data_ptr"}
 _NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
 

@@ -1,4 +1,4 @@
-"""Pins the private torch APIs of ``shardkit.ddp._torch_compat``: the torch-function mode stack
+"""Pins the private torch APIs of ``shardkit.optim._torch_compat``: the torch-function mode stack
 the param-access guard is pushed on and taken off ([Note: Param access guard])."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardkit.ddp._torch_compat import push_function_mode, remove_function_mode
+from shardkit.optim._torch_compat import push_function_mode, remove_function_mode
 from torch.overrides import TorchFunctionMode
 
 

@@ -22,99 +22,48 @@ backward reduces the gradients of all of them; ``opt_k.step()`` steps and gather
 ``opt_k``'s buckets and consumes only their gradients, so gradients of an optimizer that did
 not step yet accumulate over the next backward, as ``.grad`` does with DDP.
 
-[Note: Bucket group state]
-A group is the only writer of its state: the :class:`GroupState`, the per-bucket reduction
-records (:class:`_Reduction`: params still to stage, staging buffer, in-flight reduce-scatter,
-used params, clipped flag), the ``grad_fresh`` flag of its shardkit-optim ``FlatBucket`` s
-(through their public ``mark_reduced`` / ``mark_consumed``), its stepper and its param gathers.
-The wrapper's backward pass (``shardkit.ddp._reducer``) decides *when* (bucket order over
-every group, the staging pool) and calls the group's methods to stage, launch and finish.
-
-- ``IDLE``: no reduced gradient held (after construction, a step whose gathers were waited
-  for, ``zero_grad``); a backward under ``no_sync()`` keeps it (``.grad`` accumulates).
-- ``REDUCING``: a reduce-scatter of one of its buckets was launched and the group's buckets
-  are not all launched and waited for (also the next synchronised backward from ``REDUCED``:
-  gradients accumulate into the shards).
-- ``REDUCED``: every bucket reduced and waited for; the shards wait for ``step()``.
-- ``STEPPED``: the local step ran and consumed the shards (inside ``step()``).
-- ``GATHERING``: the param all-gathers are in flight (``overlap_param_gather``); back to
-  ``IDLE`` when the last is waited for. The next backward may start first (a bucket no
-  forward touched): ``REDUCING`` then, and ``gather.pending`` still names those buckets.
+The group does the work of its buckets' cycle (staging copies, collectives, the local step,
+the gathers); what decides the next move is its :class:`~shardkit.optim._lifecycle.GroupLife`,
+written only by that state machine's transitions (see [Note: Bucket group state] in
+``shardkit.optim._lifecycle``).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-import weakref
 from collections.abc import Callable, Sequence, Set
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.ddp._checks import CLIP, STATE_DICT, agree
-from shardkit.ddp._comm import _Comm, _Pending
-from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._gather import _ParamGather
-from shardkit.ddp._placeholders import drop_grads, is_placeholder
-from shardkit.ddp._profiling import phase
-from shardkit.ddp._reducer import ALIGN, ParamMap, _Reducer, check_clip
-from shardkit.optim import (
-    FlatBucket,
+from shardkit.optim._agreement import agree_call, register_call
+from shardkit.optim._clip import agree_grad_norm, check_clip_args, grad_norm_partial
+from shardkit.optim._comm import _Comm
+from shardkit.optim._driver import ShardOwner
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._gather import _ParamGather
+from shardkit.optim._lifecycle import GroupLife, GroupState
+from shardkit.optim._options import EngineOptions
+from shardkit.optim._placeholders import drop_grads, is_placeholder
+from shardkit.optim._profiling import zero2_phase as phase
+from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
+from shardkit.optim._shard_state import (
     ParkedState,
-    ShardedOptimizer,
-    ShardOwner,
-    ShardStepper,
-    agree_grad_norm,
-    check_clip_args,
     checkpoint_part,
     gather_full_state_dict,
-    grad_norm_partial,
     load_full_state_dict,
 )
+from shardkit.optim._shard_stepper import ShardStepper
+from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from torch import nn
 
-__all__ = ["BucketGroup", "GroupState", "clip_groups"]
+__all__ = ["BucketGroup", "GroupState", "agree", "clip_groups"]
 
 NAME = "shardkit.ddp.ShardedDataParallel"
+CLIP = register_call("ShardedDataParallel.clip_grad_norm_()")
+STATE_DICT = register_call("ShardedDataParallel.optimizer_state_dict()")
 _closures = itertools.count()
 """Orders the closures run by ``step()`` across groups (``last_closure_loss``)."""
-
-
-class GroupState(enum.Enum):
-    """Where a :class:`BucketGroup` is in its step cycle; see [Note: Bucket group state]."""
-
-    IDLE = "idle"
-    REDUCING = "reducing"
-    REDUCED = "reduced"
-    STEPPED = "stepped"
-    GATHERING = "gathering"
-
-
-@dataclass(eq=False)
-class _Reduction:
-    """The reduction state of one bucket (the bucket itself is shardkit-optim's layout)."""
-
-    gaps: list[tuple[int, int]]
-    """Element ranges covered by no param (padding), zeroed in a fresh staging buffer."""
-    pending: set[int] = field(default_factory=set)
-    """Positions (in ``params``) whose gradient this backward has not staged yet."""
-    used: set[int] = field(default_factory=set)
-    """Positions of the params that staged a real gradient on this rank since the grad shard
-    was last consumed (see [Note: Per-param fragments] in ``shardkit.optim._shard_stepper``)."""
-    staging: torch.Tensor | None = None
-    """The bucket's staging buffer (a prefix of ``base``) while it holds one."""
-    base: torch.Tensor | None = None
-    """The pool buffer ``staging`` is a prefix of (given back when the reduction finishes)."""
-    work: _Pending | None = None
-    """The in-flight reduce-scatter."""
-    out: torch.Tensor | None = None
-    """Where the in-flight reduce-scatter writes (``grad_shard`` or a temporary)."""
-    add_out: bool = False
-    """Whether the temporary ``out`` is added to ``grad_shard`` (else copied into it)."""
-    clipped: bool = False
-    """The live reduced gradient was clipped (see [Note: Clip agreement])."""
 
 
 class BucketGroup(ShardOwner):
@@ -133,7 +82,7 @@ class BucketGroup(ShardOwner):
         reducer: The wrapper's backward pass (bucket order over every group, staging pool).
         buckets: The optimizer's buckets (``shardkit.optim.build_flat_buckets``).
         module: The wrapped module (which submodule holds which bucket's params).
-        where: The layout's one param map (``shardkit.ddp._reducer.param_map``), shared.
+        where: The layout's one param map (``shardkit.optim._reducer.param_map``), shared.
     """
 
     name = NAME
@@ -143,7 +92,7 @@ class BucketGroup(ShardOwner):
         index: int,
         opt: ShardedOptimizer,
         comm: _Comm,
-        config: ShardedDataParallelConfig,
+        config: EngineOptions,
         reducer: _Reducer,
         buckets: list[FlatBucket],
         module: nn.Module,
@@ -171,21 +120,25 @@ class BucketGroup(ShardOwner):
         self.buckets = buckets
         self.where = where
         """The layout's param map (read only; a param is in it iff it was trainable)."""
-        self.reductions = [_Reduction(_gaps(b), set(range(len(b.params)))) for b in buckets]
+        self.life = GroupLife(f"{NAME} (optimizer {self.index})", buckets)
+        """The group's state machine: see [Note: Bucket group state]."""
         self.stepper = ShardStepper(
             buckets, type(opt.optim), opt.param_groups, dict(opt.defaults), self.comm.rank,
             opt.master_dtype, master_remainder=opt.master_remainder,
         )  # fmt: skip
         _allocate_grad_shards(buckets)
-        drained = weakref.WeakMethod(self._gathers_drained)  # the guard holds the gather
         self.gather = _ParamGather(
             self.comm,
             self.config.overlap_param_gather,
             self._module_buckets(module),
             buckets,
-            lambda: _call(drained),
+            self.life,
         )
-        self.state = GroupState.IDLE
+
+    @property
+    def state(self) -> GroupState:
+        """Where the group is in its step cycle (its state machine's)."""
+        return self.life.state
 
     def scratch_bytes(self) -> int:
         """Bytes of scratch the local step borrows from the staging pool."""
@@ -196,20 +149,19 @@ class BucketGroup(ShardOwner):
         return [p for g in self.opt.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ backward side
-    # Called by the wrapper's backward pass (shardkit.ddp._reducer), which keeps the bucket
+    # Called by the wrapper's backward pass (shardkit.optim._reducer), which keeps the bucket
     # order over every group: see [Note: Staging and launch order] there.
     def begin_pass(self) -> None:
         """Every param of every bucket is still to stage: the start of a reduction pass."""
-        for b, r in zip(self.buckets, self.reductions, strict=True):
-            r.pending = set(range(len(b.params)))
+        self.life.begin_pass()
 
     def is_pending(self, k: int, i: int) -> bool:
         """Whether param ``i`` of bucket ``k`` (position in the group) is still to stage."""
-        return i in self.reductions[k].pending
+        return i in self.life.buckets[k].pending
 
     def pending(self, k: int) -> list[int]:
         """The positions of bucket ``k`` still to stage, ascending."""
-        return sorted(self.reductions[k].pending)
+        return sorted(self.life.buckets[k].pending)
 
     def wire_dtype(self, k: int) -> torch.dtype:
         """The dtype bucket ``k`` is staged and reduced in. See [Note: Reduce dtype]."""
@@ -218,20 +170,18 @@ class BucketGroup(ShardOwner):
 
     def has_staging(self, k: int) -> bool:
         """Whether bucket ``k`` holds a staging buffer."""
-        return self.reductions[k].staging is not None
+        return self.life.buckets[k].staging is not None
 
     def take_staging(self, k: int, base: torch.Tensor) -> None:
         """Gives bucket ``k`` the pool buffer ``base`` as its staging buffer (padding zeroed)."""
-        r = self.reductions[k]
-        r.base = base
-        r.staging = base[: self.buckets[k].numel]
-        for start, end in r.gaps:
-            r.staging[start:end].zero_()
+        staging = self.life.take_staging(k, base)
+        for start, end in self.life.buckets[k].gaps:
+            staging[start:end].zero_()
 
     def grad_view(self, k: int, i: int) -> torch.Tensor:
         """A zeroed view of param ``i``'s slice of bucket ``k``'s staging buffer, for backward
         to accumulate into ([Note: Gradients as bucket views])."""
-        b, staging = self.buckets[k], self.reductions[k].staging
+        b, staging = self.buckets[k], self.life.buckets[k].staging
         assert staging is not None  # the pass gives a staging buffer first
         view = staging[b.offsets[i] : b.offsets[i] + b.params[i].numel()].view_as(b.params[i])
         view.zero_()
@@ -240,21 +190,22 @@ class BucketGroup(ShardOwner):
     def stage(self, k: int, i: int, grad: torch.Tensor | None, in_place: bool = False) -> None:
         """Stages param ``i``'s gradient of bucket ``k``, times ``1/N`` ([Note: Staging and
         launch order]); ``in_place``: ``grad`` is its staging view, accumulated by backward."""
-        b, r = self.buckets[k], self.reductions[k]
-        r.pending.discard(i)
+        b, life = self.buckets[k], self.life
         scale = 1.0 / self.comm.world
         if in_place:
-            r.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
+            life.stage(k, i, real=True)
             assert grad is not None
             grad.mul_(scale)
             return
-        assert r.staging is not None  # the pass gives a staging buffer first
+        staging = life.buckets[k].staging
+        assert staging is not None  # the pass gives a staging buffer first
         p = b.params[i]
-        view = r.staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
+        view = staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
         if grad is None or is_placeholder(grad):  # no new gradient in this pass
+            life.stage(k, i, real=False)
             view.zero_()
             return
-        r.used.add(i)  # See [Note: Per-param fragments] in shardkit.optim._shard_stepper
+        life.stage(k, i, real=True)
         g = grad.detach()
         if view.dtype == g.dtype:
             torch.mul(g, scale, out=view)
@@ -265,49 +216,37 @@ class BucketGroup(ShardOwner):
 
     def ready(self, k: int) -> bool:
         """Whether every param of bucket ``k`` is staged (it may launch)."""
-        return not self.reductions[k].pending
+        return not self.life.buckets[k].pending
 
     def launch(self, k: int) -> None:
         """Launches bucket ``k``'s reduce-scatter into its grad shard ([Note: Staging and
         launch order], [Note: Reduce dtype])."""
-        b, r = self.buckets[k], self.reductions[k]
-        assert r.staging is not None  # every param staged (possibly zeros) before launch
+        b, staging = self.buckets[k], self.life.buckets[k].staging
+        assert staging is not None  # every param staged (possibly zeros) before launch
         assert b.grad_shard is not None  # allocated with the layout
-        if self.wire_dtype(k) == b.dtype and b.grad_fresh:
+        fresh = self.life.launch(k)
+        if self.wire_dtype(k) == b.dtype and fresh:
             out = b.grad_shard
         else:  # in place, cast or added into the shard when done
-            out = r.staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
-        r.out = out
-        r.add_out = not b.grad_fresh
-        b.mark_reduced()
-        r.clipped = False
-        self.state = GroupState.REDUCING
+            out = staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
         with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
-            r.work = self.comm.reduce_scatter(out, r.staging)
+            self.life.issued(k, out, self.comm.reduce_scatter(out, staging))
 
     def finish(self, k: int) -> torch.Tensor:
         """Waits for bucket ``k``'s reduce-scatter, folds it into the grad shard, and returns
         its staging buffer (the pool's) to the caller."""
-        b, r = self.buckets[k], self.reductions[k]
+        b, r = self.buckets[k], self.life.buckets[k]
         self.comm.wait(r.work)
-        r.work = None
         if r.out is not None and b.grad_shard is not None and r.out is not b.grad_shard:
             if r.add_out:
                 b.grad_shard.add_(r.out)
             else:
                 b.grad_shard.copy_(r.out)
-        r.out = None
-        base, r.base, r.staging = r.base, None, None
-        assert base is not None  # launched buckets hold a staging buffer
-        if self.state is GroupState.REDUCING and all(
-            x.work is None and not x.pending for x in self.reductions
-        ):
-            self.state = GroupState.REDUCED
-        return base
+        return self.life.finish(k)
 
     def has_reduced_grads(self) -> bool:
         """Whether a reduced gradient waits for ``step()`` / ``zero_grad()``."""
-        return any(not b.grad_fresh for b in self.buckets)
+        return self.life.holds_reduced()
 
     # ------------------------------------------------------------------ ShardOwner: step
     def step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
@@ -335,22 +274,21 @@ class BucketGroup(ShardOwner):
             self.wait_params()
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
-            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.ddp._reducer
+            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
                 scratch = self.reducer.idle_buffers()
                 self.stepper.step(unused, scratch=scratch)
-            self._consume()
-            self.state = GroupState.STEPPED
+            self.life.stepped()
             self.reducer.trim_pool()
             with phase("all_gather"):
                 self.gather.issue(self.buckets)
-            self.state = GroupState.GATHERING if self.gather.pending else GroupState.IDLE
+            self.life.step_done()
         return loss
 
     def _global_unused(self) -> set[tuple[int, int]]:
         """``(bucket index, position)`` of the params of the group that no rank used since
         the last step: one all-reduce (MAX) of a byte per param. See [Note: Per-param
         fragments] in ``shardkit.optim._shard_stepper``."""
-        live = [(b, r) for b, r in zip(self.buckets, self.reductions, strict=True)
+        live = [(b, r) for b, r in zip(self.buckets, self.life.buckets, strict=True)
                 if not b.grad_fresh]  # fmt: skip
         if not live:  # nothing reduced since the last step (agreed: launches are collective)
             return set()
@@ -379,17 +317,10 @@ class BucketGroup(ShardOwner):
             f"call ddp.refresh_trainable() after changing it"
         )
 
-    def _consume(self) -> None:
-        """Marks the grad shards consumed (after a step or ``zero_grad``)."""
-        for b, r in zip(self.buckets, self.reductions, strict=True):
-            b.mark_consumed()  # the next reduce-scatter overwrites the shard
-            r.used.clear()
-            r.clipped = False
-
     def _module_buckets(self, module: nn.Module) -> dict[nn.Module, list[int]]:
         """Buckets (indices) of the group's params each submodule owns directly (its forward
         pre-hook waits for their gathers: [Note: Deferred param gather] in
-        ``shardkit.ddp._gather``)."""
+        ``shardkit.optim._gather``)."""
         out: dict[nn.Module, list[int]] = {}
         for sub in module.modules():
             places = [self.where.get(id(p)) for p in sub.parameters(recurse=False)]
@@ -399,10 +330,6 @@ class BucketGroup(ShardOwner):
                 out[sub] = own
         return out
 
-    def _gathers_drained(self) -> None:
-        if self.state is GroupState.GATHERING:
-            self.state = GroupState.IDLE
-
     def wait_params(self) -> None:
         """Waits for the group's param all-gathers still in flight."""
         self.gather.wait_all()
@@ -411,9 +338,8 @@ class BucketGroup(ShardOwner):
     def discard_gradients(self) -> None:
         """Drops the reduced gradients and the pending gradient factors (``zero_grad``)."""
         self.reducer.finish_all()  # not the param gathers: see [Note: Deferred param gather]
-        self._consume()
+        self.life.discard()
         self.stepper.drop_factors()
-        self.state = GroupState.GATHERING if self.gather.pending else GroupState.IDLE
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.discard_gradients()
@@ -435,15 +361,13 @@ class BucketGroup(ShardOwner):
     def clip_flags(self) -> tuple[bool, bool]:
         """(the group holds a reduced gradient not consumed yet, one of those was clipped
         already) on this rank. See [Note: Clip agreement]."""
-        live = [r for b, r in zip(self.buckets, self.reductions, strict=True)
+        live = [r for b, r in zip(self.buckets, self.life.buckets, strict=True)
                 if not b.grad_fresh and b.grad_shard is not None]  # fmt: skip
         return bool(live), any(r.clipped for r in live)
 
     def mark_clipped(self) -> None:
         """Records that the live reduced gradients were clipped."""
-        for b, r in zip(self.buckets, self.reductions, strict=True):
-            if not b.grad_fresh:
-                r.clipped = True
+        self.life.mark_clipped()
 
     def unscale_for_scaler(self, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         self.reducer.finish_all()
@@ -476,7 +400,7 @@ class BucketGroup(ShardOwner):
         """The full state on every rank (collective); compact moments as fp32, or as they are
         with ``compact`` (a checkpoint's items: shardkit-optim's [Note: Compact checkpoint
         items])."""
-        agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements]
+        agree(STATE_DICT, self.opt)  # See [Note: Wrapper agreements] in shardkit.ddp._checks
         self.reducer.finish_all()
         self.wait_params()
         return gather_full_state_dict(
@@ -516,15 +440,22 @@ class BucketGroup(ShardOwner):
         }
 
 
+def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
+    """Whether every rank of ``opt``'s group entered ``call`` with the same ``digest``
+    (bounded by ``opt.collective_timeout``); see [Note: Call agreement]."""
+    same, _, _ = agree_call(call, opt.group, opt.collective_timeout, digest=digest)
+    return bool(same)
+
+
 # ---------------------------------------------------------------------- clipping
 def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float) -> torch.Tensor:
     """Clips the reduced gradients of ``groups`` by their global norm (over every rank's
     shard); returns the norm. Collective. The norm is shardkit-optim's one sharded clip (its
-    [Note: Sharded grad norm]); the flags: [Note: Clip agreement] in ``shardkit.ddp._reducer``."""
+    [Note: Sharded grad norm]); the flags: [Note: Clip agreement] in ``shardkit.optim._reducer``."""
     max_f, norm_f = check_clip_args(max_norm, norm_type)
     first = groups[0]
     reducer, comm = first.reducer, first.comm
-    agree(CLIP, first.opt)  # See [Note: Wrapper agreements]
+    agree(CLIP, first.opt)  # See [Note: Wrapper agreements] in shardkit.ddp._checks
     with phase("clip_grad_norm"):
         reducer.finish_all()
         for g in groups:
@@ -553,16 +484,10 @@ def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float
 
 
 # ---------------------------------------------------------------------- layout helpers
-def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
-    fn = method()
-    if fn is not None:
-        fn()
-
-
 def _allocate_grad_shards(buckets: Sequence[FlatBucket]) -> None:
     """Gives every bucket its ``grad_shard``: views of one zeroed buffer per (dtype, device),
     allocated once with the layout (see [Note: Staging lifetime] in
-    ``shardkit.ddp._reducer``)."""
+    ``shardkit.optim._reducer``)."""
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for b in buckets:
         if b.grad_shard is None:
@@ -575,17 +500,3 @@ def _allocate_grad_shards(buckets: Sequence[FlatBucket]) -> None:
             key = (b.dtype, b.device)
             b.attach_grad_shard(flats[key][offsets[key] : offsets[key] + b.shard])
             offsets[key] += -(-b.shard // ALIGN) * ALIGN
-
-
-def _gaps(b: FlatBucket) -> list[tuple[int, int]]:
-    """Element ranges of the bucket covered by no param (padding), to zero in staging."""
-    spans = sorted((off, off + p.numel()) for off, p in zip(b.offsets, b.params, strict=True))
-    out: list[tuple[int, int]] = []
-    pos = 0
-    for start, end in spans:
-        if start > pos:
-            out.append((pos, start))
-        pos = max(pos, end)
-    if pos < b.numel:
-        out.append((pos, b.numel))
-    return out

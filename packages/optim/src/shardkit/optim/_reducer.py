@@ -10,7 +10,7 @@ allocated, and logged once, only if a backward fills three buckets at once out o
 
 Buckets are launched strictly in index order on every rank, over the buckets of every bucket
 group of the wrapper (``_Reducer.order``; each group stages, launches and finishes its own
-buckets when the pass asks: [Note: Bucket group state] in ``shardkit.ddp._bucket_group``): a
+buckets when the pass asks: [Note: Bucket group state] in ``shardkit.optim._lifecycle``): a
 complete bucket launches only
 once every earlier bucket has launched, so every rank issues the same collectives in the same
 order whatever order its hooks fire in. At the end of the backward pass (an autograd-engine
@@ -70,15 +70,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
-from shardkit.ddp._comm import _Comm
-from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._placeholders import _ReducedGrad
-from shardkit.ddp._profiling import phase
-from shardkit.optim import FlatBucket, queue_end_of_backward
+from shardkit.optim._comm import _Comm
+from shardkit.optim._flat import FlatBucket
+from shardkit.optim._lifecycle import PassLife
+from shardkit.optim._options import EngineOptions
+from shardkit.optim._placeholders import _ReducedGrad
+from shardkit.optim._profiling import zero2_phase as phase
+from shardkit.optim._torch_compat import queue_end_of_backward
 
 __all__ = ["ALIGN", "BucketOwner", "ParamMap", "check_clip", "param_map"]
 
-logger = logging.getLogger("shardkit.ddp")
+logger = logging.getLogger("shardkit.optim")
 _MAX_STAGING = 2
 ALIGN = 16
 """Staging buffers are a multiple of 16 elements, so each one of a pool starts 64-byte aligned
@@ -130,7 +132,7 @@ def param_map(per_group: Sequence[Sequence[FlatBucket]]) -> ParamMap:
 
 
 class BucketOwner(Protocol):
-    """What the backward pass needs of a bucket group (``shardkit.ddp._bucket_group``'s
+    """What the backward pass needs of a bucket group (``shardkit.optim._bucket_group``'s
     ``BucketGroup``, the only writer of its buckets' reduction state)."""
 
     @property
@@ -166,23 +168,23 @@ class _Reducer:
 
     Built once per wrapper; :meth:`lay_out` takes each (re)built bucket layout. The groups
     own their buckets' reduction state ([Note: Bucket group state] in
-    ``shardkit.ddp._bucket_group``); this pass decides when each is staged, launched and
+    ``shardkit.optim._lifecycle``); this pass decides when each is staged, launched and
     finished: buckets launch strictly in index order over every group ([Note: Staging and
     launch order]), and the staging buffers are lent from one pool per wire dtype and device.
 
     Args:
-        comm: The wrapper's communication layer.
-        config: The wrapper's options (``reduce_dtype``, ``keep_staging_buffers``,
+        comm: The engine's communication layer.
+        config: The engine's options (``wire_dtype``, ``keep_staging_buffers``,
             ``gradient_as_bucket_view``).
         on_backward_start: Called at the first gradient of a synchronised backward, before
-            any collective of it (the wrapper's agreement; see shardkit-optim's [Note: Call
-            agreement]).
+            any collective of it (the engine's reduction agreement, ``Zero2Engine``; see
+            [Note: Call agreement]).
     """
 
     def __init__(
         self,
         comm: _Comm,
-        config: ShardedDataParallelConfig,
+        config: EngineOptions,
         on_backward_start: Callable[[], None],
     ) -> None:
         self.comm = comm
@@ -190,15 +192,13 @@ class _Reducer:
         self.on_backward_start = on_backward_start
         self.enabled = True
         """False under ``no_sync()``: hooks leave ``.grad`` to accumulate locally."""
-        self.in_backward = False
-        self.next_launch = 0
+        self.passes = PassLife()
+        """The pass's state (see [Note: Bucket group state] in ``shardkit.optim._lifecycle``)."""
         self.order: list[tuple[BucketOwner, int]] = []
         """Every bucket as (group, position in the group), in launch (index) order."""
         self.groups: list[BucketOwner] = []
         self.where: ParamMap = {}
         """The layout's param map (see :data:`ParamMap`)."""
-        self.inflight: list[tuple[BucketOwner, int]] = []
-        """The launched, unfinished buckets, in launch order."""
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id(param)`` -> (param, the staging view set as its ``.grad`` in this backward)."""
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -213,8 +213,7 @@ class _Reducer:
         self.groups = list(groups)
         self.order = [(g, k) for g in groups for k in range(len(g.buckets))]
         self.where = where
-        self.next_launch = 0
-        self.inflight = []
+        self.passes.reset()
         self._free, self._count, self._size = {}, {}, {}
         scratch_bytes = max((g.scratch_bytes() for g in groups), default=0)
         for g, k in self.order:
@@ -269,7 +268,7 @@ class _Reducer:
         if type(p.grad) is _ReducedGrad:
             p.grad = None
         views = self.config.gradient_as_bucket_view
-        if not (views and self.enabled and self.in_backward) or p.grad is not None:
+        if not (views and self.enabled and self.passes.in_backward) or p.grad is not None:
             return
         gi, k, i = self.where[id(p)]
         g = self.groups[gi]
@@ -314,7 +313,7 @@ class _Reducer:
         key = self._key(g, k)
         while not self._free[key] and self._count[key] >= _MAX_STAGING:
             holder = next(
-                (j for j, (og, ok) in enumerate(self.inflight) if self._key(og, ok) == key),
+                (j for j, (og, ok) in enumerate(self.passes.inflight) if self._key(og, ok) == key),
                 None,
             )
             if holder is None:
@@ -341,8 +340,8 @@ class _Reducer:
         """Post-accumulate-grad hook body: stage ``p.grad``, drop it, launch what is ready."""
         if not self.enabled:
             return
-        if not self.in_backward:
-            self.on_backward_start()  # the wrapper's agreement: may raise
+        if not self.passes.in_backward:
+            self.on_backward_start()  # the engine's agreement: may raise
             self.start_pass()
             queue_end_of_backward(self.flush)
         gi, k, i = self.where[id(p)]
@@ -367,8 +366,7 @@ class _Reducer:
             if p.grad is view:
                 p.grad = None
         self._views.clear()
-        self.in_backward = True
-        self.next_launch = 0
+        self.passes.start()
         for g in self.groups:
             g.begin_pass()
 
@@ -382,18 +380,18 @@ class _Reducer:
         g.stage(k, i, grad)
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.order) and self.order[self.next_launch][0].ready(
-            self.order[self.next_launch][1]
+        passes, order = self.passes, self.order
+        while passes.next_launch < len(order) and order[passes.next_launch][0].ready(
+            order[passes.next_launch][1]
         ):
-            g, k = self.order[self.next_launch]
+            g, k = order[passes.next_launch]
             g.launch(k)
-            self.inflight.append((g, k))
-            self.next_launch += 1
+            passes.launched(g, k)
 
     def flush(self) -> None:
         """End of backward: stage what unused params have, launch every remaining bucket."""
         try:
-            for g, k in self.order[self.next_launch :]:
+            for g, k in self.order[self.passes.next_launch :]:
                 for i in g.pending(k):
                     p = g.buckets[k].params[i]
                     grad = p.grad
@@ -403,33 +401,32 @@ class _Reducer:
                     self._set_placeholder(p)
             self._launch_ready()
         finally:
-            self.in_backward = False
+            self.passes.end()
             self._views.clear()
 
     def end_aborted_pass(self) -> None:
         """Forgets a pass whose backward raised before its end (nothing of it in flight)."""
-        if self.in_backward and not self.inflight:
-            self.in_backward = False
+        self.passes.forget_aborted()
 
     def set_enabled(self, enabled: bool) -> None:
         """Hooks reduce (``True``) or leave ``.grad`` to accumulate (``False``, ``no_sync``)."""
         self.enabled = enabled
 
     def _finish(self, index: int) -> None:
-        g, k = self.inflight.pop(index)
+        g, k = self.passes.finished(index)
         base = g.finish(k)
         self._free[self._key(g, k)].append(base)
 
     def finish_all(self) -> None:
         """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
-        if not self.inflight:
+        if not self.passes.inflight:
             return
         self.wait_inflight()
         self.trim_pool()
 
     def trim_pool(self) -> None:
         """Frees the idle staging buffers unless the pool is kept ([Note: Staging lifetime])."""
-        if not self.in_backward and not self.config.keep_staging_buffers:
+        if not self.passes.in_backward and not self.config.keep_staging_buffers:
             self._empty_pool()
 
     def idle_buffers(self) -> list[torch.Tensor]:
@@ -439,10 +436,10 @@ class _Reducer:
 
     def wait_inflight(self) -> None:
         """Waits for the in-flight reduce-scatters, in launch order (keeps the pool)."""
-        if not self.inflight:
+        if not self.passes.inflight:
             return
         with phase("wait"):  # See [Note: Profiler ranges]
-            while self.inflight:
+            while self.passes.inflight:
                 self._finish(0)
 
     # [Note: Staging lifetime]
@@ -478,10 +475,11 @@ class _Reducer:
 # [Note: Clip agreement]
 # ``ShardedDataParallel.clip_grad_norm_`` (and a wrapped ``optimizer.clip_grad_norm``) must not
 # return 0.0 when there is nothing to clip. Per bucket, ``grad_fresh`` says whether its shard
-# holds a gradient reduced since the last step / zero_grad (set at each reduce-scatter launch,
-# cleared by the group's ``_consume``), and its ``_Reduction.clipped`` (``BucketGroup``, in
-# shardkit.ddp._bucket_group) whether that gradient was clipped already (cleared by the next
-# launch into the bucket and by ``_consume``). Both change only at
+# holds a gradient reduced since the last step / zero_grad (cleared at each reduce-scatter
+# launch, set again when a step or ``zero_grad`` consumes the shard), and its
+# ``BucketLife.clipped`` (the group's state machine, shardkit.optim._lifecycle) whether that
+# gradient was clipped already (cleared by the next launch into the bucket and when the shard
+# is consumed). Both change only at
 # collective points (launches in bucket order, steps, clips), so well-formed programs agree on
 # them; still, each rank's two flags (any live bucket, any live bucket clipped) ride in its row
 # of the clip's one all-gather (shardkit-optim's ``agree_grad_norm``, its [Note: Sharded grad
