@@ -250,13 +250,23 @@ def test_registered_error_types_round_trip_by_name() -> None:
 
 
 def test_agreement_module_imports_no_checkpoint_type() -> None:
-    """Issue 38: the agreement module does not know checkpoint types (they are registered)."""
+    """Issue 38: the agreement module does not know checkpoint types (they are registered).
+    Issue 48: it takes the one outcome agreement from shardkit-checkpoint's public API, and
+    nothing else of it."""
     import ast
 
     import shardkit.optim._agreement as agreement
 
     tree = ast.parse(Path(agreement.__file__).read_text())
-    imported = [
-        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-    ] + [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
-    assert not [m for m in imported if "checkpoint" in m or "safe_reader" in m], imported
+    names = {
+        (node.module or "", a.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
+    from_checkpoint = {n for m, n in names if "checkpoint" in m}
+    assert all(m == "shardkit.checkpoint" for m, _ in names if "checkpoint" in m), names
+    assert from_checkpoint <= {
+        "REFUSED", "Outcome", "agree_outcome", "agreed_error", "outcome", "register_error_type"
+    }, from_checkpoint  # fmt: skip
+    assert not [n for n in from_checkpoint if n.endswith("Error")], from_checkpoint

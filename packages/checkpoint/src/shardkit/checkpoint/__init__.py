@@ -9,12 +9,23 @@
 - :func:`open_checkpoint`, :func:`inspect`, :func:`verify` and the ``shardkit-checkpoint`` CLI:
   look at a checkpoint, and check every byte of it, without a model.
 - :func:`to_record` / :func:`from_record`: small non-tensor state as JSON data, not a pickle.
+- :func:`agree_outcome` / :func:`agreed_error` / :func:`outcome` / :func:`register_error_type`:
+  the one outcome agreement of shardkit (every rank raises the first failing rank's typed error),
+  and :func:`checkpoint_error`, the typed error out of DCP's ``CheckpointException``.
 
 Depends on torch alone (NumPy for saves and loads across ranks, as DCP needs it).
 """
 
 from shardkit.checkpoint.__about__ import __version__
-from shardkit.checkpoint._agree import checkpoint_error
+from shardkit.checkpoint._agree import (
+    REFUSED,
+    Outcome,
+    agree_outcome,
+    agreed_error,
+    checkpoint_error,
+    outcome,
+    register_error_type,
+)
 from shardkit.checkpoint._api import Checkpoint, load, open_checkpoint, save
 from shardkit.checkpoint._commit import checksum
 from shardkit.checkpoint._describe import describe
@@ -37,8 +48,12 @@ __all__ = [
     "ChecksumError",
     "SafeFileSystemReader",
     "UnsafeCheckpointError",
+    "Outcome",
+    "REFUSED",
     "VerifyReport",
     "__version__",
+    "agree_outcome",
+    "agreed_error",
     "checkpoint_error",
     "checksum",
     "describe",
@@ -46,6 +61,8 @@ __all__ = [
     "inspect",
     "load",
     "open_checkpoint",
+    "outcome",
+    "register_error_type",
     "save",
     "to_record",
     "verify",

@@ -8,12 +8,14 @@ rank may fail alone ends in one all-gather of every rank's outcome, ``(error typ
 message)`` or ``None``, and every rank raises the first failing rank's error, with its type
 (:data:`ERROR_TYPES`, by name), or goes on together. DCP's own steps gather their failures the
 same way (``CheckpointException``); :func:`unwrap` turns those into the same typed error.
-This is shardkit-checkpoint's one agreement module; it needs nothing but torch (the object
-all-gather of ``torch.distributed``, as DCP's planning uses).
+This is shardkit's one outcome agreement (see [Note: One outcome agreement]); it needs nothing
+but torch (the object all-gather of ``torch.distributed``, as DCP's planning uses, unless the
+caller passes its own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import torch.distributed as dist
@@ -26,10 +28,23 @@ from shardkit.checkpoint._errors import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["ERROR_TYPES", "Outcome", "agree", "checkpoint_error", "gather", "outcome", "unwrap"]
+__all__ = [
+    "ERROR_TYPES",
+    "REFUSED",
+    "Outcome",
+    "agree",
+    "agree_outcome",
+    "agreed_error",
+    "checkpoint_error",
+    "gather",
+    "outcome",
+    "register_error_type",
+    "unwrap",
+]
 
 Outcome: TypeAlias = tuple[str, str] | None
-"""One rank's outcome: ``(error type name, message)``, or ``None`` when it succeeded."""
+"""One rank's outcome of a local check: ``(error type name, message)``, or ``None`` when it
+passed (see :func:`outcome`)."""
 
 ERROR_TYPES: dict[str, type[Exception]] = {
     t.__name__: t
@@ -45,11 +60,38 @@ ERROR_TYPES: dict[str, type[Exception]] = {
         FileNotFoundError,
     )
 }
-"""The types an agreement raises again on every rank, by name; others become ``RuntimeError``."""
+"""The types an agreement raises again on every rank, by name (a rank gathers only names and
+messages): these and those of :func:`register_error_type`; others become the caller's
+``default``."""
+
+REFUSED = (
+    "{what} failed on rank {rank} of {world}{also}, so it is refused on every rank: "
+    "{kind}: {message}"
+)
+"""The message of :func:`agreed_error` and :func:`agree_outcome` by default."""
+
+_CHECKPOINT = "{what}{where}: {prefix}{message}"
+"""The message of this package's own agreements: the failing rank's message, its type's name
+in front when that type is not raised again."""
+
+
+def register_error_type(cls: type[Exception]) -> type[Exception]:
+    """Lets agreements raise ``cls`` again on every rank when a rank fails with it (at import
+    time, on every rank); returns ``cls``. ``cls(message)`` must build one.
+
+    Raises:
+        ValueError: another type of the same name is registered.
+    """
+    if ERROR_TYPES.setdefault(cls.__name__, cls) is not cls:
+        raise ValueError(
+            f"error type {cls.__module__}.{cls.__qualname__} has the name of the registered "
+            f"{ERROR_TYPES[cls.__name__]!r}: agreements raise errors by name; rename one"
+        )
+    return cls
 
 
 def outcome(error: BaseException | None) -> Outcome:
-    """What a rank gathers of its local step: its error's type name and message, or ``None``."""
+    """What an agreement gathers of ``error``: its type's name and its message (``None``: none)."""
     return None if error is None else (type(error).__name__, str(error))
 
 
@@ -62,27 +104,96 @@ def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def _raise_first(outcomes: list[Outcome], what: str) -> None:
+def agreed_error(
+    outcomes: Sequence[Outcome],
+    what: str,
+    *,
+    template: str = REFUSED,
+    default: type[Exception] = RuntimeError,
+) -> Exception | None:
+    """The error every rank raises for every rank's outcome of a local check (no collective).
+
+    Every rank that passes the same ``outcomes`` (e.g. from one all-gather, alone or with data)
+    gets the same error: the first failing rank's error type, by name (:data:`ERROR_TYPES`;
+    ``default`` for any other), and its message through ``template``.
+
+    Args:
+        outcomes: every rank's :data:`Outcome`, in rank order.
+        what: the operation, for the message.
+        template: the message, a ``str.format`` template over ``what``, ``rank`` (the first
+            failing rank), ``world`` (``len(outcomes)``), ``also`` (``" (rank(s) [..] failed
+            too)"`` or ``""``), ``where`` (``" on rank R"`` plus ``also`` with several ranks,
+            else ``""``), ``kind`` (its error type's name), ``prefix`` (``"KIND: "`` when that
+            type is raised as ``default``, else ``""``) and ``message`` (its message).
+        default: the type raised for an error type not in :data:`ERROR_TYPES`.
+
+    Returns:
+        The error to raise, or ``None`` when no rank failed.
+    """
     failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
     if not failed:
-        return
+        return None
     rank, (kind, message) = failed[0]
-    others = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
-    where = f" on rank {rank}{others}" if len(outcomes) > 1 else ""
-    cls = ERROR_TYPES.get(kind, RuntimeError)
-    prefix = "" if cls is not RuntimeError or kind == "RuntimeError" else f"{kind}: "
-    raise cls(f"{what}{where}: {prefix}{message}")
+    also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
+    cls = ERROR_TYPES.get(kind, default)
+    text = template.format(
+        what=what,
+        rank=rank,
+        world=len(outcomes),
+        also=also,
+        where=f" on rank {rank}{also}" if len(outcomes) > 1 else "",
+        kind=kind,
+        prefix="" if kind in ERROR_TYPES else f"{kind}: ",
+        message=message,
+    )
+    return cls(text)
+
+
+# [Note: One outcome agreement]
+# A collective that one rank may fail alone (its files are not visible, its state dict does not
+# fit, its arguments are bad) ends in one all-gather of every rank's :data:`Outcome`, and every
+# rank raises the first failing rank's error with its type (:func:`agree_outcome`, decided by
+# :func:`agreed_error`), or goes on together. This is the one implementation: shardkit-optim's
+# agreements (and through it shardkit-ddp's and shardkit-overlap's) use it with their own
+# message templates and NumPy-free object gather.
+def agree_outcome(
+    error: BaseException | Outcome,
+    group: dist.ProcessGroup | None,
+    what: str,
+    *,
+    template: str = REFUSED,
+    default: type[Exception] = RuntimeError,
+    gather_objects: Callable[[Any, dist.ProcessGroup | None], list[Any]] | None = None,
+) -> None:
+    """Raises on every rank the error of the first rank whose local check failed (if any).
+
+    One all-gather of every rank's :data:`Outcome`, decided by :func:`agreed_error`. See
+    [Note: One outcome agreement].
+
+    Args:
+        error: this rank's error (the cause of what this rank raises), or its :func:`outcome`
+            (nothing chained), or ``None``.
+        group: the process group (every rank of it calls this, failed or not); ``None``: the
+            default group, or this process alone without one.
+        what: the operation, for the message.
+        template: the message (see :func:`agreed_error`).
+        default: the type raised for an error type :data:`ERROR_TYPES` does not list.
+        gather_objects: the object all-gather (default: ``torch.distributed.all_gather_object``).
+
+    Raises:
+        The first failing rank's error type (others as ``default``), on every rank.
+    """
+    mine = outcome(error) if isinstance(error, BaseException) else error
+    gathered = (gather_objects or gather)(mine, group)
+    failure = agreed_error(gathered, what, template=template, default=default)
+    if failure is not None:
+        raise failure from (error if isinstance(error, BaseException) else None)
 
 
 def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raises on every rank the first failing rank's error (see [Note: Checkpoint
-    agreement]); one all-gather.
-
-    Raises:
-        The first failing rank's error type (``RuntimeError`` for a type not in
-        :data:`ERROR_TYPES`), its message prefixed with ``what`` and the rank.
-    """
-    _raise_first(gather(outcome(error), group), what)
+    """This package's agreement (see [Note: Checkpoint agreement]): the failing rank's message
+    as it is, after ``what`` and the rank."""
+    agree_outcome(error, group, what, template=_CHECKPOINT)
 
 
 def checkpoint_error(error: BaseException) -> BaseException:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from shardkit.checkpoint._api import Checkpoint, open_checkpoint
 from shardkit.checkpoint._commit import checksum, storage_key
 from shardkit.checkpoint._describe import describe

@@ -60,10 +60,12 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardkit.checkpoint import REFUSED, Outcome, agreed_error, outcome, register_error_type
+from shardkit.checkpoint import agree_outcome as _agree_outcome
 from shardkit.optim._dist import global_rank
 from shardkit.optim._exchange import GaveUp, exchange
 from shardkit.optim._state import _hyperparams
@@ -101,46 +103,14 @@ def hyperparam_digest(param_groups: Sequence[dict[str, Any]]) -> int:
 # (shardkit-overlap's registration, shardkit-ddp's bucket plan), goes through this module:
 # :func:`agree_values` (every rank passes the same value, or every rank raises naming the
 # difference), :func:`agree_outcome` (a local check failed on some rank: every rank raises that
-# rank's error, with its type), :func:`agree_call` (the bounded entry-point agreement of
-# [Note: Call agreement], which also carries the hyper-parameter digest and the per-step flags).
-# Each is one collective that every rank reaches whatever its local outcome, so a decision one
-# rank takes alone never leaves the others waiting in a collective. The checkpoint functions
-# (``_checkpoint.py``) decide with :func:`agreed_error` too, on outcomes they gather with their
-# data (the checksums of a save) or with :func:`agree_outcome`, keeping their own messages
-# through ``template``.
-_ERROR_TYPES: dict[str, type[Exception]] = {
-    t.__name__: t for t in (TypeError, ValueError, RuntimeError, FileNotFoundError)
-}
-"""The error types an agreement raises again on every rank, by name (a rank gathers only names
-and messages): these, and those added with :func:`register_error_type` (e.g. the checkpoint
-errors, by ``_checkpoint.py``); a failing rank's error of another type is raised as the
-caller's default."""
-
-
-def register_error_type(cls: type[Exception]) -> type[Exception]:
-    """Lets agreements raise ``cls`` again on every rank when a rank fails with it (at import
-    time, on every rank); returns ``cls``. ``cls(message)`` must build one.
-
-    Raises:
-        ValueError: another type of the same name is registered.
-    """
-    if _ERROR_TYPES.setdefault(cls.__name__, cls) is not cls:
-        raise ValueError(
-            f"error type {cls.__module__}.{cls.__qualname__} has the name of the registered "
-            f"{_ERROR_TYPES[cls.__name__]!r}: agreements raise errors by name; rename one"
-        )
-    return cls
-
-
-Outcome: TypeAlias = tuple[str, str] | None
-"""What an agreement gathers of one rank's local check: ``(error type name, message)``, or
-``None`` when it passed (see :func:`outcome`)."""
-
-REFUSED = (
-    "{what} failed on rank {rank} of {world}{also}, so it is refused on every rank: "
-    "{kind}: {message}"
-)
-"""The message of :func:`agreed_error` and :func:`agree_outcome` by default."""
+# rank's error, with its type: shardkit-checkpoint's outcome agreement, see [Note: One outcome
+# agreement], over the NumPy-free object gather), :func:`agree_call` (the bounded entry-point
+# agreement of [Note: Call agreement], which also carries the hyper-parameter digest and the
+# per-step flags). Each is one collective that every rank reaches whatever its local outcome,
+# so a decision one rank takes alone never leaves the others waiting in a collective. The
+# checkpoint functions (``_checkpoint.py``) decide with :func:`agreed_error` too, on outcomes
+# they gather with their data (the checksums of a save) or with :func:`agree_outcome`, keeping
+# their own messages through ``template``.
 
 
 def agree_values(
@@ -177,48 +147,6 @@ def agree_values(
     return gathered
 
 
-def outcome(error: BaseException | None) -> Outcome:
-    """What an agreement gathers of ``error``: its type's name and its message (``None``: none)."""
-    return None if error is None else (type(error).__name__, str(error))
-
-
-def agreed_error(
-    outcomes: Sequence[Outcome],
-    what: str,
-    *,
-    template: str = REFUSED,
-    default: type[Exception] = RuntimeError,
-) -> Exception | None:
-    """The error every rank raises for every rank's outcome of a local check (no collective).
-
-    Every rank that passes the same ``outcomes`` (e.g. from one all-gather, alone or with data)
-    gets the same error: the first failing rank's error type, by name (``TypeError``,
-    ``ValueError``, ``RuntimeError``, ``FileNotFoundError`` and the types of
-    :func:`register_error_type`; ``default`` for any other), and its message through
-    ``template``.
-
-    Args:
-        outcomes: every rank's :data:`Outcome`, in rank order.
-        what: the operation, for the message.
-        template: the message, a ``str.format`` template over ``what``, ``rank`` (the first
-            failing rank), ``world`` (``len(outcomes)``), ``also`` (``" (rank(s) [..] failed
-            too)"`` or ``""``), ``kind`` (its error type's name) and ``message`` (its message).
-        default: the type raised for an error type not in the list above.
-
-    Returns:
-        The error to raise, or ``None`` when no rank failed.
-    """
-    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-    if not failed:
-        return None
-    rank, (kind, message) = failed[0]
-    also = f" (rank(s) {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
-    text = template.format(
-        what=what, rank=rank, world=len(outcomes), also=also, kind=kind, message=message
-    )
-    return _ERROR_TYPES.get(kind, default)(text)
-
-
 def agree_outcome(
     error: BaseException | Outcome,
     group: dist.ProcessGroup,
@@ -227,28 +155,20 @@ def agree_outcome(
     template: str = REFUSED,
     default: type[Exception] = RuntimeError,
 ) -> None:
-    """Raises on every rank the error of the first rank whose local check failed (if any).
-
-    One all-gather of every rank's :data:`Outcome`, decided by :func:`agreed_error`.
-
-    Args:
-        error: this rank's error (the cause of what this rank raises), or its :func:`outcome`
-            (nothing chained), or ``None``.
-        group: the process group (every rank of it calls this, failed or not).
-        what: the operation, for the message.
-        template: the message (see :func:`agreed_error`); by default it names the failing
-            rank, its error type and message.
-        default: the type raised for an error type :func:`agreed_error` does not list.
+    """Raises on every rank the error of the first rank whose local check failed (if any):
+    :func:`shardkit.checkpoint.agree_outcome` over the NumPy-free object gather (see [Note:
+    Object collectives without NumPy]).
 
     Raises:
-        TypeError, ValueError, RuntimeError, FileNotFoundError or a registered type: the
-            first failing rank's error type (others as ``default``), on every rank.
+        The first failing rank's error type (a registered one, see
+            :func:`shardkit.checkpoint.register_error_type`; others as ``default``), on every
+            rank.
     """
-    mine = outcome(error) if isinstance(error, BaseException) else error
-    gathered = all_gather_objects(mine, group)  # See [Note: Object collectives without NumPy]
-    failure = agreed_error(gathered, what, template=template, default=default)
-    if failure is not None:
-        raise failure from (error if isinstance(error, BaseException) else None)
+    _agree_outcome(error, group, what, template=template, default=default, gather_objects=_gather)
+
+
+def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    return all_gather_objects(value, group)
 
 
 _NAMES: dict[int, str] = {}

@@ -36,27 +36,24 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from shardkit.checkpoint import (
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
     CheckpointSaveError,
     ChecksumError,
+    Outcome,
     SafeFileSystemReader,
     UnsafeCheckpointError,
+    agreed_error,
     checksum,
     describe,
     open_checkpoint,
+    outcome,
     save,
     to_record,
 )
 from shardkit.optim._agreement import (
     LOAD_SHARDED_CALL,
     SAVE_SHARDED_CALL,
-    Outcome,
     agree_call,
     agree_outcome,
-    agreed_error,
-    outcome,
-    register_error_type,
 )
 from shardkit.optim._compact import CompactFormat, CompactTensor
 from shardkit.optim._compact_optim import dequantize_state_dict
@@ -82,18 +79,6 @@ from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 __all__ = ["ShardedCheckpointable", "load_consolidated", "load_sharded", "save_sharded"]
 
 logger = logging.getLogger("shardkit.optim")
-
-# The checkpoint errors a failing rank's agreement raises again on every rank, with their type
-# (see [Note: One agreement module]); the agreement module itself knows no checkpoint type.
-for _error in (
-    UnsafeCheckpointError,
-    ChecksumError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-):
-    register_error_type(_error)
-
 
 @runtime_checkable
 class ShardedCheckpointable(Protocol):
