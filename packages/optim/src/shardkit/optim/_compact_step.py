@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
+from shardkit.optim._compact_fused import fused_eligible, fused_param_step, step_scalars
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._remainder import join_master, split_master
 from torch.optim.adam import adam
@@ -264,6 +265,7 @@ def compact_adam_step(
     remainders: Sequence[torch.Tensor | None] | None = None,
     grad_factors: Sequence[torch.Tensor] = (),
     scratch: StepScratch | None = None,
+    compiled: bool = False,
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step of ``params``, in place.
 
@@ -285,6 +287,11 @@ def compact_adam_step(
         grad_factors: 0-d tensors multiplying the upcast fp32 gradients of params with a master
             or remainder, in order (a loss scaler's ``1 / scale``, a clip coefficient).
         scratch: buffers to reuse across calls (a new one per call when ``None``).
+        compiled: step the params whose moments are all compact (on the CPU) with one
+            ``torch.compile``-d kernel per chunk instead of the eager codec around torch's
+            Adam: the bytes of ``impl="foreach"`` (see [Note: Compiled step, same bytes] in
+            ``_compact_fused.py``), whatever ``impl`` says. Compiled on first use, once per
+            process and variant; where compilation fails, the eager step runs (logged once).
     """
     n = len(params)
     masters = [None] * n if masters is None else list(masters)
@@ -294,9 +301,28 @@ def compact_adam_step(
     stepped = [i for i in range(n) if grads[i] is not None]
     if not stepped:
         return
+    if compiled:
+        stepped_eager = _step_compiled(
+            stepped,
+            params,
+            grads,
+            states,
+            masters,
+            remainders,
+            grad_factors,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled_weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+    else:
+        stepped_eager = stepped
     functional = adamw if decoupled_weight_decay else adam
     numels = [p.numel() for p in params]
-    for batch in _items(numels, stepped, scratch.chunk):
+    for batch in _items(numels, stepped_eager, scratch.chunk):
         _step_batch(
             batch,
             params,
@@ -323,6 +349,53 @@ def compact_adam_step(
         )
     for i in stepped:
         states[i].step.add_(1)
+
+
+def _step_compiled(
+    stepped: list[int],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    states: Sequence[AdamState],
+    masters: Sequence[torch.Tensor | None],
+    remainders: Sequence[torch.Tensor | None],
+    grad_factors: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+) -> list[int]:
+    """Steps what the compiled kernel can step; returns the params left to the eager step."""
+    left: list[int] = []
+    for i in stepped:
+        p, g, st, m, r = params[i], grads[i], states[i], masters[i], remainders[i]
+        assert g is not None  # only params with a gradient are stepped
+        moments = [mom for _, mom in st.moments()[: 3 if amsgrad else 2]]
+        source = "remainder" if r is not None else "master" if m is not None else "plain"
+        if not fused_eligible(p, g, moments, source):
+            left.append(i)
+            continue
+        scalars = step_scalars(
+            float(st.step.item()) + 1, lr, betas, eps, weight_decay, decoupled, maximize
+        )
+        with profiler_range("shardkit.compact.compiled"):
+            done = fused_param_step(
+                _flat(p, f"param {i}"),
+                _flat(g, f"grad {i}"),
+                [mom for mom in moments if isinstance(mom, CompactTensor)],
+                None if m is None else _flat(m, f"master {i}"),
+                None if r is None else _flat(r, f"remainder {i}"),
+                grad_factors,
+                scalars,
+                amsgrad=amsgrad,
+                l2=weight_decay != 0 and not decoupled,
+            )
+        if not done:
+            left.append(i)
+    return left
 
 
 def _step_batch(
