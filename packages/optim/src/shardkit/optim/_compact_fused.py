@@ -1,37 +1,47 @@
-"""The compact Adam / AdamW step as one compiled kernel per chunk (issue 51).
+"""The compact Adam / AdamW step with compiled kernels per chunk (issue 51).
 
-:func:`fused_param_step` steps the params of
-:func:`~shardkit.optim._compact_step.compact_adam_step` whose moments are all compact with one ``torch.compile``-d function per :data:`FUSED_CHUNK`
-elements: it dequantizes the moments, runs the Adam / AdamW update (maximize, weight decay,
-amsgrad, fp32 or remainder masters, the gradient factors) and quantizes the moments back, in
-one pass of one inductor kernel instead of a dozen eager passes per moment.
+:func:`fused_param_step` steps a param whose moments are all compact, :data:`FUSED_CHUNK`
+elements at a time, with two ``torch.compile``-d kernels (dequantize; update and quantize) and
+torch's own kernels for the four ops in between (see [Note: Two kernels around torch's ops]),
+instead of the eager codec's dozen passes per moment around torch's Adam.
 
 [Note: Compiled step, same bytes]
-The compiled kernel gives, on the CPU, the bytes of the eager step with torch's foreach (or
-single-tensor: the same ops) Adam, for every option and every element, including NaN, inf,
-signed zeros and subnormals. What makes that so:
+The compiled step gives, on the CPU, the bytes of the eager step with torch's foreach (or
+single-tensor: the same ops) Adam, for every option and every element, NaN, inf, signed zeros
+and subnormals included. What makes that so:
 
-* every op is written here as the eager kernel rounds it. torch's CPU kernels compute ``lerp``,
-  ``add(alpha=)`` and ``addcmul`` with a fused multiply-add (``vec::fmadd``: one rounding), which
-  inductor's C++ backend has no op for, so :func:`_fma` computes it exactly in float64 (the
-  product of two fp32 is exact there, the sum rounded *to odd* with an exact TwoSum error, then
-  rounded once to fp32: correct for any inputs, Boldo and Melquiond 2008, since 53 >= 24 + 2);
-  ``addcdiv`` is ``self + (value * t1) / t2`` as torch's CPU kernel orders it; every scalar
-  (``1 - beta1``, ``beta2``, ``-lr / bias_correction1``, ...) is computed in Python floats as
-  torch computes it and rounded once to fp32, as torch's kernels cast them;
-* the scalars are fp32 tensors, never Python constants, so a learning-rate schedule or a new
-  step count does not recompile;
+* the ops torch's CPU kernels compute with a fused multiply-add (``lerp``, ``add(alpha=)``,
+  ``addcmul``: ``vec::fmadd``, one rounding) and ``sqrt`` (MKL's vector square root, which is
+  not always the correctly rounded one inductor's C++ computes) run as torch's own kernels on
+  fp32 scratch, with the same Python-float scalars torch's Adam passes them; inductor's C++
+  backend has no FMA op, and emulating one exactly in float64 costs more than the whole eager
+  op (measured: 8 against 0.9 ns per element);
+* every other op is written as torch's kernel rounds it: ``addcdiv`` is ``self + (value * t1)
+  / t2``, the dequantized value ``map[code] * scale``, the quantizer the eager one op for op;
+  the scalars of the compiled kernels (``-lr / bias_correction1``, ``bias_correction2 ** 0.5``,
+  ``eps``, ...) are computed in Python floats as torch computes them and rounded once to fp32,
+  as torch's kernels cast them; they are tensors, never constants, so a learning-rate schedule
+  or a new step count does not recompile;
 * inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
   (:data:`COMPILE_OPTIONS`, pinned explicitly): the C++ compiler may not contract a multiply
   and an add into an FMA, nor reorder, on its own;
-* the kernel sees a fixed shape (``dynamic=False``): every item is at most
-  :data:`FUSED_CHUNK` elements and a shorter one (the last of a param) is padded with zeros,
-  which leave its last block's scale unchanged (zeros change neither the signed extreme nor
-  the absmax of a block that has a real element), whose moments are set to zero before the
-  quantization (so the padding's codes and scales do not matter) and whose results are dropped;
-  so one kernel
-  per variant (:class:`_Variant`: formats, amsgrad, L2 decay, masters, gradient dtype), compiled
-  once per process (inductor's own on-disk cache makes later processes cheap).
+* the kernels see a fixed shape (``dynamic=False``): every item is at most
+  :data:`FUSED_CHUNK` elements, and a shorter one (the last of a param) is padded with zeros;
+  the padding's moments are set to zero before the quantization (zeros change neither the
+  signed extreme nor the absmax of the last block, which holds a real element) and its results
+  are dropped. So one compilation per variant (:class:`_Variant`: formats, amsgrad, L2 decay,
+  masters, dtypes), once per process (inductor's own on-disk cache makes later processes
+  cheaper).
+
+[Note: Two kernels around torch's ops]
+One chunk: the first compiled kernel dequantizes the moments into fp32 scratch (one chunk each)
+and writes the fp32 gradient (upcast, times the factors, negated for ``maximize``); torch's
+kernels then run, in place on the scratch, what its Adam runs with them (``add(alpha=
+weight_decay)`` for Adam's decay, ``lerp_``, ``mul_`` + ``addcmul_``, ``maximum`` for amsgrad,
+``sqrt``), on data the first kernel just left in cache; the second compiled kernel divides,
+updates the value (AdamW's decay included), quantizes the moments back and writes the param
+(and remainder). The scratch is about ``4 * FUSED_CHUNK`` bytes per buffer, six buffers at
+most, allocated once per process and device.
 
 ``tests/test_compact_fused.py`` checks the bytes against the eager step for every option,
 shape edge cases and the specials, and that a second step does not compile again.
@@ -68,6 +78,9 @@ FUSED_CHUNK = 256 * 1024
 COMPILE_OPTIONS: dict[str, Any] = {
     "cpp.enable_floating_point_contract_flag": "off",
     "cpp.enable_unsafe_math_opt_flag": False,
+    # the kernels' table indices are in range by construction (a uint8 code into a 256-row
+    # table, a 16-bit cell into a 65536-entry one): no bounds check per element
+    "assert_indirect_indexing": False,
 }
 """inductor options of the compiled step: see [Note: Compiled step, same bytes]."""
 
@@ -81,6 +94,16 @@ _N_SCALARS = 11
 
 
 @dataclass(frozen=True)
+class _Floats:
+    """The Python-float scalars torch's Adam passes its FMA ops (cast by its kernels)."""
+
+    w: float
+    beta2: float
+    one_minus_beta2: float
+    weight_decay: float
+
+
+@dataclass(frozen=True)
 class _Variant:
     """What changes the compiled kernel's graph (one compilation each)."""
 
@@ -88,27 +111,12 @@ class _Variant:
     second: CompactFormat
     amsgrad: bool
     l2: bool
-    """Adam's (coupled) weight decay, ``weight_decay != 0``: an extra FMA per element."""
+    """Adam's (coupled) weight decay, ``weight_decay != 0``: one more torch op per chunk."""
     source: str
     """``"plain"`` (fp32 param stepped in place), ``"master"`` or ``"remainder"``."""
     grad_dtype: torch.dtype
     param_dtype: torch.dtype
     n_factors: int
-
-
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``a * b + c`` in fp32 with one rounding, as ``vec::fmadd``: see [Note: Compiled step,
-    same bytes]."""
-    p = a.double() * b.double()  # exact: 24 + 24 bits
-    cd = c.double()
-    s = p + cd
-    back = s - p
-    err = (p - (s - back)) + (cd - back)  # TwoSum: s + err == p + cd exactly
-    bits = s.view(torch.int64)
-    inexact = (err != 0) & ((bits & 1) == 0) & torch.isfinite(s)
-    toward = torch.where((err > 0) == (s > 0), 1, -1)
-    odd = torch.where(inexact, bits + toward, bits).view(torch.float64)
-    return odd.float()
 
 
 def _decode(codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, block: int) -> torch.Tensor:
@@ -138,81 +146,49 @@ def _encode(
     return code.to(torch.uint8), scales
 
 
-@functools.cache
-def _eager_sqrt() -> Callable[[torch.Tensor], torch.Tensor]:
-    """``torch.sqrt`` as an opaque op the compiled kernel calls: see [Note: Compiled step, same
-    bytes] (torch's CPU ``sqrt`` is MKL's vector sqrt, not always the correctly rounded one that
-    inductor's C++ computes). Registered on first use, once per process."""
-
-    @torch.library.custom_op("shardkit_optim::eager_sqrt", mutates_args=())
-    def eager_sqrt(x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x)
-
-    @eager_sqrt.register_fake
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    return eager_sqrt
-
-
-def _body(variant: _Variant) -> Callable[..., None]:
-    """The kernel of ``variant``, before compilation (a pure function of tensors)."""
+def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The two kernels of ``variant``, before compilation: see [Note: Two kernels around
+    torch's sqrt]."""
     v = variant
     formats = (v.first, v.second, v.second)
-    sqrt = _eager_sqrt()
 
-    def step(
+    def moments_part(
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
-        tables: list[torch.Tensor],
-        value: torch.Tensor,
+        pairs: list[torch.Tensor],
         grad: torch.Tensor,
-        param: torch.Tensor,
-        remainder: torch.Tensor,
-        hp: torch.Tensor,
         factors: torch.Tensor,
+        hp: torch.Tensor,
+        out: list[torch.Tensor],
     ) -> None:
-        moments = [
-            _decode(codes[k], scales[k], tables[2 * k], formats[k].block)
-            for k in range(len(codes))
-        ]
-        if v.source == "remainder":
-            x = join_master(param, remainder)
-        else:
-            x = value
+        for k in range(len(codes)):
+            out[k].copy_(_decode(codes[k], scales[k], pairs[k], formats[k].block))
         g = grad
         if v.source != "plain":
             g = g.float()
             for k in range(v.n_factors):  # one multiply each, in order: as _master.py does
                 g = g * factors[k]
-        g = torch.where(hp[_MAXIMIZE] != 0, -g, g)
-        if v.l2:
-            g = _fma(x, hp[_WD].expand_as(x), g)
+        out[-1].copy_(torch.where(hp[_MAXIMIZE] != 0, -g, g))
+
+    def value_part(
+        new: list[torch.Tensor],
+        root: torch.Tensor,
+        entries: list[torch.Tensor],
+        codes: list[torch.Tensor],
+        scales: list[torch.Tensor],
+        value: torch.Tensor,
+        param: torch.Tensor,
+        remainder: torch.Tensor,
+        hp: torch.Tensor,
+    ) -> None:
+        x = join_master(param, remainder) if v.source == "remainder" else value
         x = torch.where(hp[_DECOUPLED] != 0, x * hp[_DECAY], x)
-        w = hp[_W]
-        m = moments[0]
-        diff = g - m
-        small = w.abs() < 0.5
-        m = torch.where(
-            small,
-            _fma(w.expand_as(diff), diff, m),
-            _fma((w - 1).expand_as(diff), diff, g),
-        )
-        sq = moments[1] * hp[_BETA2]
-        sq = _fma(g * hp[_ONE_MINUS_BETA2], g, sq)
-        new = [m, sq]
-        if v.amsgrad:
-            top = torch.maximum(moments[2], sq)
-            new.append(top)
-            denom = sqrt(top)
-        else:
-            denom = sqrt(sq)
-        denom = denom / hp[_BC2_SQRT] + hp[_EPS]
-        x = x + (hp[_STEP_SIZE] * m) / denom
+        denom = root / hp[_BC2_SQRT] + hp[_EPS]
+        x = x + (hp[_STEP_SIZE] * new[0]) / denom
         # padding (an item shorter than a chunk) must not move its last block's scale
         valid = torch.arange(FUSED_CHUNK, device=x.device) < hp[_VALID]
         for k, t in enumerate(new):
-            c, s = _encode(torch.where(valid, t, 0.0), formats[k], tables[2 * k + 1])
+            c, s = _encode(torch.where(valid, t, 0.0), formats[k], entries[k])
             codes[k].copy_(c)
             scales[k].copy_(s)
         if v.source == "remainder":
@@ -225,23 +201,59 @@ def _body(variant: _Variant) -> Callable[..., None]:
         else:
             value.copy_(x)
 
-    return step
+    return moments_part, value_part
+
+
+def _compile(fn: Callable[..., None], name: str) -> Callable[..., None]:
+    # Each variant gets its own code object, so that torch's per-code recompilation limit
+    # counts variants separately (a distinct function to dynamo, not a recompilation).
+    code = fn.__code__.replace(co_name=name)
+    fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    compiled: Callable[..., None] = torch.compile(
+        fresh, dynamic=False, fullgraph=True, options=dict(COMPILE_OPTIONS)
+    )
+    return compiled
 
 
 @functools.cache
 def _compiled(variant: _Variant) -> Callable[..., None]:
-    """``torch.compile`` of the variant's kernel, made once per process.
+    """The variant's step of one chunk (compiled on first call), made once per process."""
+    moments_part, value_part = _bodies(variant)
+    tag = f"{abs(hash(variant)):x}"
+    first = _compile(moments_part, f"compact_moments_{tag}")
+    second = _compile(value_part, f"compact_value_{tag}")
+    n_moments = 3 if variant.amsgrad else 2
 
-    Each variant gets its own code object, so that torch's per-code recompilation limit
-    counts variants separately (a distinct function to dynamo, not a recompilation).
-    """
-    body = _body(variant)
-    code = body.__code__.replace(co_name=f"compact_adam_{abs(hash(variant))}")
-    fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-    compiled: Callable[..., None] = torch.compile(
-        fn, dynamic=False, fullgraph=True, options=dict(COMPILE_OPTIONS)
-    )
-    return compiled
+    def step(
+        codes: list[torch.Tensor],
+        scales: list[torch.Tensor],
+        tables: list[torch.Tensor],
+        value: torch.Tensor,
+        grad: torch.Tensor,
+        param: torch.Tensor,
+        remainder: torch.Tensor,
+        hp: torch.Tensor,
+        factors: torch.Tensor,
+        floats: _Floats,
+    ) -> None:
+        device = grad.device
+        new = [_PADS.get(f"new{k}", torch.float32, FUSED_CHUNK, device) for k in range(n_moments)]
+        g = _PADS.get("g", torch.float32, FUSED_CHUNK, device)
+        first(codes, scales, tables[0::2], grad, factors, hp, [*new, g])
+        # torch's own kernels for the ops it computes with an FMA: see [Note: Compiled step,
+        # same bytes]
+        if variant.l2:
+            x = join_master(param, remainder) if variant.source == "remainder" else value
+            g.add_(x, alpha=floats.weight_decay)
+        new[0].lerp_(g, floats.w)
+        new[1].mul_(floats.beta2).addcmul_(g, g, value=floats.one_minus_beta2)
+        if variant.amsgrad:
+            torch.maximum(new[2], new[1], out=new[2])
+        root = _PADS.get("root", torch.float32, FUSED_CHUNK, device)
+        torch.sqrt(new[-1], out=root)
+        second(new, root, tables[1::2], codes, scales, value, param, remainder, hp)
+
+    return step
 
 
 _state: dict[str, str | None] = {"unavailable": None}
@@ -287,7 +299,7 @@ def step_scalars(
     weight_decay: float,
     decoupled: bool,
     maximize: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, _Floats]:
     """The fp32 scalars of one param's step, computed as torch's foreach Adam computes them
     (Python floats, rounded once to fp32 where its kernels cast them)."""
     beta1, beta2 = betas
@@ -305,7 +317,8 @@ def step_scalars(
     out[_MAXIMIZE] = float(maximize)
     out[_DECOUPLED] = float(decoupled and weight_decay != 0)
     out[_VALID] = float(FUSED_CHUNK)
-    return torch.tensor(out, dtype=torch.float32)
+    floats = _Floats(1 - beta1, beta2, 1 - beta2, weight_decay)
+    return torch.tensor(out, dtype=torch.float32), floats
 
 
 def _code_range(fmt: CompactFormat, lo: int, hi: int) -> slice:
@@ -336,7 +349,7 @@ def fused_param_step(
     master: torch.Tensor | None,
     remainder: torch.Tensor | None,
     factors: Sequence[torch.Tensor],
-    scalars: torch.Tensor,
+    scalars: tuple[torch.Tensor, _Floats],
     *,
     amsgrad: bool,
     l2: bool,
@@ -381,9 +394,9 @@ def fused_param_step(
         hi = min(lo + FUSED_CHUNK, numel)
         try:
             if hi - lo == FUSED_CHUNK:
-                _run_full(kernel, moments, tables, value, g, p, rem, scalars, fac, lo, hi)
+                _run_full(kernel, moments, tables, value, g, p, rem, *scalars, fac, lo, hi)
             else:
-                _run_padded(kernel, moments, tables, value, g, p, rem, scalars, fac, lo, hi)
+                _run_padded(kernel, moments, tables, value, g, p, rem, *scalars, fac, lo, hi)
         except Exception as exc:  # compilation failed (no C++ compiler, ...): nothing written
             if lo:
                 raise  # a chunk already stepped: a failure now is not a compilation failure
@@ -411,6 +424,7 @@ def _run_full(
     p: torch.Tensor,
     rem: torch.Tensor | None,
     scalars: torch.Tensor,
+    floats: _Floats,
     fac: torch.Tensor,
     lo: int,
     hi: int,
@@ -428,6 +442,7 @@ def _run_full(
         rem[lo:hi] if rem is not None else _empty(torch.int16, device),
         scalars,
         fac,
+        floats,
     )
 
 
@@ -440,6 +455,7 @@ def _run_padded(
     p: torch.Tensor,
     rem: torch.Tensor | None,
     scalars: torch.Tensor,
+    floats: _Floats,
     fac: torch.Tensor,
     lo: int,
     hi: int,
@@ -472,7 +488,7 @@ def _run_padded(
     rbuf = padded("remainder", rem) if rem is not None else _empty(torch.int16, device)
     valid = scalars.clone()
     valid[_VALID] = float(n)
-    kernel(codes, scales, tables, vbuf, gbuf, pbuf, rbuf, valid, fac)
+    kernel(codes, scales, tables, vbuf, gbuf, pbuf, rbuf, valid, fac, floats)
     for csrc, ssrc, cbuf, sbuf, fmt in outs:
         csrc.copy_(cbuf[: csrc.numel()])
         if fmt.bits == 4 and n % 2:  # a lone last element keeps its low nibble 0
