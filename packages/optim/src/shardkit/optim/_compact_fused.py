@@ -1,50 +1,45 @@
 """The compact Adam / AdamW step with compiled kernels per chunk (issue 51).
 
 :func:`fused_param_step` steps a param whose moments are all compact, :data:`FUSED_CHUNK`
-elements at a time, with two ``torch.compile``-d kernels (dequantize; update and quantize) and
-torch's own kernels for the four ops in between (see [Note: Two kernels around torch's ops]),
-instead of the eager codec's dozen passes per moment around torch's Adam.
+elements at a time: one ``torch.compile``-d kernel dequantizes the moments (and upcasts the
+gradient, joins the remainder master), torch's own functional Adam steps the chunk on that
+fp32 scratch, and a second compiled kernel quantizes the moments back (and splits the
+remainder master); see [Note: Compiled step, same bytes]. It replaces the eager codec's dozen
+passes per moment and per-chunk dispatch; torch's Adam itself runs as in the eager step.
 
 [Note: Compiled step, same bytes]
-The compiled step gives, on the CPU, the bytes of the eager step with torch's foreach (or
-single-tensor: the same ops) Adam, for every option and every element, NaN, inf, signed zeros
-and subnormals included. What makes that so:
+The compiled step gives the bytes of the eager step (``_compact_step.py``) with the same
+``impl`` (single-tensor, foreach or fused), for every option and every element, NaN, inf,
+signed zeros and subnormals included, on the CPU. What makes that so:
 
-* the ops torch's CPU kernels compute with a fused multiply-add (``lerp``, ``add(alpha=)``,
-  ``addcmul``: ``vec::fmadd``, one rounding) and ``sqrt`` (MKL's vector square root, which is
-  not always the correctly rounded one inductor's C++ computes) run as torch's own kernels on
-  fp32 scratch, with the same Python-float scalars torch's Adam passes them; inductor's C++
-  backend has no FMA op, and emulating one exactly in float64 costs more than the whole eager
-  op (measured: 8 against 0.9 ns per element);
-* every other op is written as torch's kernel rounds it: ``addcdiv`` is ``self + (value * t1)
-  / t2``, the dequantized value ``map[code] * scale``, the quantizer the eager one op for op;
-  the scalars of the compiled kernels (``-lr / bias_correction1``, ``bias_correction2 ** 0.5``,
-  ``eps``, ...) are computed in Python floats as torch computes them and rounded once to fp32,
-  as torch's kernels cast them; they are tensors, never constants, so a learning-rate schedule
-  or a new step count does not recompile;
-* inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
-  (:data:`COMPILE_OPTIONS`, pinned explicitly): the C++ compiler may not contract a multiply
-  and an add into an FMA, nor reorder, on its own;
-* the kernels see a fixed shape (``dynamic=False``): every item is at most
-  :data:`FUSED_CHUNK` elements, and a shorter one (the last of a param) is padded with zeros;
-  the padding's moments are set to zero before the quantization (zeros change neither the
-  signed extreme nor the absmax of the last block, which holds a real element) and its results
-  are dropped. So one compilation per variant (:class:`_Variant`: formats, amsgrad, L2 decay,
-  masters, dtypes), once per process (inductor's own on-disk cache makes later processes
-  cheaper).
+* the update is torch's own: the chunk's Adam / AdamW runs through the same functional call as
+  in the eager step (same kwargs, same per-item step-count copy), on the same element ranges:
+  a chunk is cut at multiples of :data:`FUSED_CHUNK` (a multiple of the eager ``CHUNK``, so of
+  every vector width), and a last, shorter chunk is stepped on exactly its elements, so torch's
+  vector body and scalar tail (which differ for the fused kernel: [Note: Fused steps of cut
+  params] in ``_shard_stepper.py``) fall on the same elements as in the eager step. torch's CPU
+  ops that round differently from inductor's C++ (``lerp``, ``add(alpha=)`` and ``addcmul`` use
+  an FMA, ``sqrt`` is MKL's vector square root, not always correctly rounded) so never run
+  compiled;
+* the compiled kernels do only exact work or the eager step's ops one for one: dequantize
+  (``map[code] * scale``), the gradient's upcast and its factors in order, the remainder join
+  and split (integer ops), the quantizer (block extremes, one division, integer ops, a table
+  lookup), and inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
+  (:data:`COMPILE_OPTIONS`, pinned explicitly): the C++ compiler may neither contract a
+  multiply and an add into an FMA nor reorder;
+* the kernels see one shape (``dynamic=False``): every chunk is :data:`FUSED_CHUNK` elements,
+  a shorter one padded; the padding's moments are set to zero before the quantization (zeros
+  change neither the signed extreme nor the absmax of the last block, which holds a real
+  element) and its results are dropped. Nothing that changes per step (learning rate, step
+  count) is a constant of the kernels, so a step never recompiles: one compilation per variant
+  (:class:`_Variant`: formats, amsgrad, masters, dtypes, number of gradient factors), once per
+  process (inductor's on-disk cache makes later processes cheaper).
 
-[Note: Two kernels around torch's ops]
-One chunk: the first compiled kernel dequantizes the moments into fp32 scratch (one chunk each)
-and writes the fp32 gradient (upcast, times the factors, negated for ``maximize``); torch's
-kernels then run, in place on the scratch, what its Adam runs with them (``add(alpha=
-weight_decay)`` for Adam's decay, ``lerp_``, ``mul_`` + ``addcmul_``, ``maximum`` for amsgrad,
-``sqrt``), on data the first kernel just left in cache; the second compiled kernel divides,
-updates the value (AdamW's decay included), quantizes the moments back and writes the param
-(and remainder). The scratch is about ``4 * FUSED_CHUNK`` bytes per buffer, six buffers at
-most, allocated once per process and device.
-
-``tests/test_compact_fused.py`` checks the bytes against the eager step for every option,
-shape edge cases and the specials, and that a second step does not compile again.
+Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, the gradient
+(masters) and the joined master (remainders), 1 MiB each, allocated once per process and
+device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
+checks the bytes against the eager step for every option, edge shapes and specials, and that
+a second step does not compile again.
 """
 
 from __future__ import annotations
@@ -67,13 +62,12 @@ __all__ = [
     "compiled_unavailable",
     "fused_eligible",
     "fused_param_step",
-    "step_scalars",
 ]
 
 logger = logging.getLogger("shardkit.optim")
 
 FUSED_CHUNK = 256 * 1024
-"""Elements per call of the compiled kernel (a multiple of every block size)."""
+"""Elements per call of the compiled kernels (a multiple of the eager ``CHUNK``)."""
 
 COMPILE_OPTIONS: dict[str, Any] = {
     "cpp.enable_floating_point_contract_flag": "off",
@@ -82,40 +76,20 @@ COMPILE_OPTIONS: dict[str, Any] = {
     # table, a 16-bit cell into a 65536-entry one): no bounds check per element
     "assert_indirect_indexing": False,
 }
-"""inductor options of the compiled step: see [Note: Compiled step, same bytes]."""
+"""inductor options of the compiled kernels: see [Note: Compiled step, same bytes]."""
 
 _TINY = 2.0**-126  # as _compact._TINY: see [Note: Non-finite and tiny blocks]
-_SOURCES = ("plain", "master", "remainder")
-
-# Scalar slots of the kernel's fp32 hyper-parameter tensor.
-_W, _BETA2, _ONE_MINUS_BETA2, _STEP_SIZE, _BC2_SQRT, _EPS, _WD, _DECAY, _MAXIMIZE = range(9)
-_DECOUPLED, _VALID = 9, 10
-_N_SCALARS = 11
-
-
-@dataclass(frozen=True)
-class _Floats:
-    """The Python-float scalars torch's Adam passes its FMA ops (cast by its kernels)."""
-
-    w: float
-    beta2: float
-    one_minus_beta2: float
-    weight_decay: float
 
 
 @dataclass(frozen=True)
 class _Variant:
-    """What changes the compiled kernel's graph (one compilation each)."""
+    """What changes the compiled kernels' graphs (one compilation each)."""
 
-    first: CompactFormat
-    second: CompactFormat
-    amsgrad: bool
-    l2: bool
-    """Adam's (coupled) weight decay, ``weight_decay != 0``: one more torch op per chunk."""
+    formats: tuple[CompactFormat, ...]
+    """The moments' formats (2, or 3 with amsgrad)."""
     source: str
-    """``"plain"`` (fp32 param stepped in place), ``"master"`` or ``"remainder"``."""
+    """``"plain"`` (an fp32 param stepped in place), ``"master"`` or ``"remainder"``."""
     grad_dtype: torch.dtype
-    param_dtype: torch.dtype
     n_factors: int
 
 
@@ -147,61 +121,53 @@ def _encode(
 
 
 def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The two kernels of ``variant``, before compilation: see [Note: Two kernels around
-    torch's sqrt]."""
+    """The dequantize and quantize kernels of ``variant``, before compilation."""
     v = variant
-    formats = (v.first, v.second, v.second)
 
-    def moments_part(
+    def dequantize(
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
         pairs: list[torch.Tensor],
         grad: torch.Tensor,
         factors: torch.Tensor,
-        hp: torch.Tensor,
+        param: torch.Tensor,
+        remainder: torch.Tensor,
         out: list[torch.Tensor],
+        grad_out: torch.Tensor,
+        value_out: torch.Tensor,
     ) -> None:
-        for k in range(len(codes)):
-            out[k].copy_(_decode(codes[k], scales[k], pairs[k], formats[k].block))
-        g = grad
+        for k, fmt in enumerate(v.formats):
+            out[k].copy_(_decode(codes[k], scales[k], pairs[k], fmt.block))
         if v.source != "plain":
-            g = g.float()
+            g = grad.float()
             for k in range(v.n_factors):  # one multiply each, in order: as _master.py does
                 g = g * factors[k]
-        out[-1].copy_(torch.where(hp[_MAXIMIZE] != 0, -g, g))
+            grad_out.copy_(g)
+        if v.source == "remainder":
+            value_out.copy_(join_master(param, remainder))
 
-    def value_part(
+    def quantize(
         new: list[torch.Tensor],
-        root: torch.Tensor,
         entries: list[torch.Tensor],
+        valid: torch.Tensor,
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
         value: torch.Tensor,
         param: torch.Tensor,
         remainder: torch.Tensor,
-        hp: torch.Tensor,
     ) -> None:
-        x = join_master(param, remainder) if v.source == "remainder" else value
-        x = torch.where(hp[_DECOUPLED] != 0, x * hp[_DECAY], x)
-        denom = root / hp[_BC2_SQRT] + hp[_EPS]
-        x = x + (hp[_STEP_SIZE] * new[0]) / denom
-        # padding (an item shorter than a chunk) must not move its last block's scale
-        valid = torch.arange(FUSED_CHUNK, device=x.device) < hp[_VALID]
-        for k, t in enumerate(new):
-            c, s = _encode(torch.where(valid, t, 0.0), formats[k], entries[k])
+        # the padding of a short chunk must not move its last block's scale
+        keep = torch.arange(FUSED_CHUNK, device=valid.device) < valid
+        for k, fmt in enumerate(v.formats):
+            c, s = _encode(torch.where(keep, new[k], 0.0), fmt, entries[k])
             codes[k].copy_(c)
             scales[k].copy_(s)
         if v.source == "remainder":
-            p, r = split_master(x)
+            p, r = split_master(value)
             param.copy_(p)
             remainder.copy_(r)
-        elif v.source == "master":
-            value.copy_(x)
-            param.copy_(x.to(param.dtype))
-        else:
-            value.copy_(x)
 
-    return moments_part, value_part
+    return dequantize, quantize
 
 
 def _compile(fn: Callable[..., None], name: str) -> Callable[..., None]:
@@ -216,44 +182,14 @@ def _compile(fn: Callable[..., None], name: str) -> Callable[..., None]:
 
 
 @functools.cache
-def _compiled(variant: _Variant) -> Callable[..., None]:
-    """The variant's step of one chunk (compiled on first call), made once per process."""
-    moments_part, value_part = _bodies(variant)
+def _compiled(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The variant's two kernels (compiled on their first call), made once per process."""
+    dequantize, quantize = _bodies(variant)
     tag = f"{abs(hash(variant)):x}"
-    first = _compile(moments_part, f"compact_moments_{tag}")
-    second = _compile(value_part, f"compact_value_{tag}")
-    n_moments = 3 if variant.amsgrad else 2
-
-    def step(
-        codes: list[torch.Tensor],
-        scales: list[torch.Tensor],
-        tables: list[torch.Tensor],
-        value: torch.Tensor,
-        grad: torch.Tensor,
-        param: torch.Tensor,
-        remainder: torch.Tensor,
-        hp: torch.Tensor,
-        factors: torch.Tensor,
-        floats: _Floats,
-    ) -> None:
-        device = grad.device
-        new = [_PADS.get(f"new{k}", torch.float32, FUSED_CHUNK, device) for k in range(n_moments)]
-        g = _PADS.get("g", torch.float32, FUSED_CHUNK, device)
-        first(codes, scales, tables[0::2], grad, factors, hp, [*new, g])
-        # torch's own kernels for the ops it computes with an FMA: see [Note: Compiled step,
-        # same bytes]
-        if variant.l2:
-            x = join_master(param, remainder) if variant.source == "remainder" else value
-            g.add_(x, alpha=floats.weight_decay)
-        new[0].lerp_(g, floats.w)
-        new[1].mul_(floats.beta2).addcmul_(g, g, value=floats.one_minus_beta2)
-        if variant.amsgrad:
-            torch.maximum(new[2], new[1], out=new[2])
-        root = _PADS.get("root", torch.float32, FUSED_CHUNK, device)
-        torch.sqrt(new[-1], out=root)
-        second(new, root, tables[1::2], codes, scales, value, param, remainder, hp)
-
-    return step
+    return (
+        _compile(dequantize, f"compact_dequantize_{tag}"),
+        _compile(quantize, f"compact_quantize_{tag}"),
+    )
 
 
 _state: dict[str, str | None] = {"unavailable": None}
@@ -274,51 +210,16 @@ def _give_up(reason: str) -> None:
         )
 
 
-@dataclass
-class _Pads:
-    """Zero-padded :data:`FUSED_CHUNK`-element buffers for items shorter than a chunk."""
-
-    buffers: dict[tuple[str, torch.dtype, int, torch.device], torch.Tensor]
-
-    def get(self, role: str, dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:
-        key = (role, dtype, n, device)
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = torch.empty(n, dtype=dtype, device=device)
-        return buf
+_SCRATCH: dict[tuple[str, torch.dtype, int, torch.device], torch.Tensor] = {}
 
 
-_PADS = _Pads({})
-
-
-def step_scalars(
-    step: float,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-) -> tuple[torch.Tensor, _Floats]:
-    """The fp32 scalars of one param's step, computed as torch's foreach Adam computes them
-    (Python floats, rounded once to fp32 where its kernels cast them)."""
-    beta1, beta2 = betas
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    out = [0.0] * _N_SCALARS
-    out[_W] = 1 - beta1
-    out[_BETA2] = beta2
-    out[_ONE_MINUS_BETA2] = 1 - beta2
-    out[_STEP_SIZE] = (lr / bias_correction1) * -1
-    out[_BC2_SQRT] = bias_correction2**0.5
-    out[_EPS] = eps
-    out[_WD] = weight_decay
-    out[_DECAY] = 1 - lr * weight_decay
-    out[_MAXIMIZE] = float(maximize)
-    out[_DECOUPLED] = float(decoupled and weight_decay != 0)
-    out[_VALID] = float(FUSED_CHUNK)
-    floats = _Floats(1 - beta1, beta2, 1 - beta2, weight_decay)
-    return torch.tensor(out, dtype=torch.float32), floats
+def _scratch(role: str, dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:
+    """A per-process buffer (reused by every call: the step is not reentrant)."""
+    key = (role, dtype, n, device)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf
 
 
 def _code_range(fmt: CompactFormat, lo: int, hi: int) -> slice:
@@ -326,20 +227,26 @@ def _code_range(fmt: CompactFormat, lo: int, hi: int) -> slice:
 
 
 def fused_eligible(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    moments: Sequence[object],
-    source: str,
+    param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object], source: str
 ) -> bool:
-    """Whether the compiled step can step this param (else the eager step does)."""
+    """Whether the compiled step can step this param (else the eager step does): CPU, every
+    moment compact, contiguous tensors, an fp32 gradient for a plain param."""
     if param.device.type != "cpu" or not all(isinstance(m, CompactTensor) for m in moments):
         return False
-    compact = [m for m in moments if isinstance(m, CompactTensor)]
-    if len(compact) == 3 and compact[2].fmt != compact[1].fmt:
-        return False
-    if source == "plain" and (param.dtype != torch.float32 or grad.dtype != torch.float32):
+    if source == "plain" and grad.dtype != torch.float32:
         return False
     return grad.is_floating_point() and grad.is_contiguous() and param.is_contiguous()
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """The tensors of one chunk, as the kernels see them (views, or padded copies)."""
+
+    codes: list[torch.Tensor]
+    scales: list[torch.Tensor]
+    grad: torch.Tensor
+    param: torch.Tensor
+    remainder: torch.Tensor
 
 
 def fused_param_step(
@@ -349,154 +256,138 @@ def fused_param_step(
     master: torch.Tensor | None,
     remainder: torch.Tensor | None,
     factors: Sequence[torch.Tensor],
-    scalars: tuple[torch.Tensor, _Floats],
-    *,
-    amsgrad: bool,
-    l2: bool,
+    step: torch.Tensor,
+    step_copy: torch.Tensor,
+    functional: Callable[..., None],
+    kwargs: dict[str, Any],
 ) -> bool:
-    """Steps one param (all its elements) with the compiled kernel, chunk by chunk.
+    """Steps one param (flat, all its elements) with the compiled kernels, chunk by chunk.
 
-    Returns ``False`` (nothing written) when the compiled step is unavailable; see [Note:
-    Compiled step, same bytes].
+    ``functional`` and ``kwargs`` are the eager step's torch Adam call; ``step_copy`` a 0-d
+    tensor on ``step``'s device that each chunk's call increments from ``step``. Returns
+    ``False`` (nothing written) when the compiled step is unavailable; see [Note: Compiled
+    step, same bytes].
     """
     if _state["unavailable"] is not None:
         return False
     source = "remainder" if remainder is not None else "master" if master is not None else "plain"
-    device = param.device
     variant = _Variant(
-        moments[0].fmt,
-        moments[1].fmt,
-        amsgrad,
-        l2,
+        tuple(m.fmt for m in moments),
         source,
         grad.dtype,
-        param.dtype,
         max(2, len(factors)) if source != "plain" else 0,
     )
     try:
-        kernel = _compiled(variant)
+        dequantize, quantize = _compiled(variant)
     except Exception as exc:  # torch.compile itself refused (no dynamo on this Python, ...)
         _give_up(f"{type(exc).__name__}: {exc}")
         return False
-    tables: list[torch.Tensor] = []
-    for m in moments:
-        t = lookup_tables(m.fmt.map_name, device)
-        tables += [t.pairs, t.entry]
-    fac = torch.ones(variant.n_factors, dtype=torch.float32)
-    for k, f in enumerate(factors[: variant.n_factors]):
+    device = param.device
+    tables = [lookup_tables(m.fmt.map_name, device) for m in moments]
+    fac = torch.ones(variant.n_factors, dtype=torch.float32, device=device)
+    for k, f in enumerate(factors):
         fac[k] = f.to(dtype=torch.float32)
-    p = param.view(-1)
-    g = grad.view(-1)
-    value = p if master is None and remainder is None else master.view(-1) if master is not None else None
-    rem = remainder.view(-1) if remainder is not None else None
-    numel = p.numel()
+    new = [_scratch(f"new{k}", torch.float32, FUSED_CHUNK, device) for k in range(len(moments))]
+    grad32 = _scratch("grad", torch.float32, FUSED_CHUNK, device)
+    joined = _scratch("value", torch.float32, FUSED_CHUNK, device)
+    none = {dt: _scratch("none", dt, 0, device) for dt in (grad.dtype, param.dtype, torch.int16)}
+    numel = param.numel()
     for lo in range(0, numel, FUSED_CHUNK):
         hi = min(lo + FUSED_CHUNK, numel)
+        n = hi - lo
+        chunk = _chunk(moments, grad, param, remainder, source, lo, hi, none)
+        valid = torch.tensor(float(n))
         try:
-            if hi - lo == FUSED_CHUNK:
-                _run_full(kernel, moments, tables, value, g, p, rem, *scalars, fac, lo, hi)
-            else:
-                _run_padded(kernel, moments, tables, value, g, p, rem, *scalars, fac, lo, hi)
+            dequantize(
+                chunk.codes, chunk.scales, [t.pairs for t in tables], chunk.grad, fac,
+                chunk.param, chunk.remainder, new, grad32, joined,
+            )  # fmt: skip
         except Exception as exc:  # compilation failed (no C++ compiler, ...): nothing written
             if lo:
                 raise  # a chunk already stepped: a failure now is not a compilation failure
             _give_up(f"{type(exc).__name__}: {exc}")
             return False
+        value = joined[:n] if source == "remainder" else (param if master is None else master)[lo:hi]
+        g = grad[lo:hi] if source == "plain" else grad32[:n]
+        step_copy.copy_(step)
+        functional(
+            [value], [g], [new[0][:n]], [new[1][:n]], [new[2][:n]] if len(new) > 2 else [],
+            [step_copy], has_complex=False, **kwargs,
+        )  # fmt: skip
+        quantize(
+            new, [t.entry for t in tables], valid, chunk.codes, chunk.scales,
+            joined,
+            chunk.param, chunk.remainder,
+        )  # fmt: skip
+        if n < FUSED_CHUNK:
+            _copy_back(chunk, moments, param, remainder, source, lo, hi)
+        if master is not None:
+            param[lo:hi].copy_(master[lo:hi])
     return True
 
 
-_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (dtype, device)
-    if key not in _EMPTY:
-        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
-    return _EMPTY[key]
-
-
-def _run_full(
-    kernel: Callable[..., None],
+def _chunk(
     moments: Sequence[CompactTensor],
-    tables: list[torch.Tensor],
-    value: torch.Tensor | None,
-    g: torch.Tensor,
-    p: torch.Tensor,
-    rem: torch.Tensor | None,
-    scalars: torch.Tensor,
-    floats: _Floats,
-    fac: torch.Tensor,
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    remainder: torch.Tensor | None,
+    source: str,
     lo: int,
     hi: int,
-) -> None:
+    none: dict[torch.dtype, torch.Tensor],
+) -> _Chunk:
+    """Views of chunk ``[lo, hi)``, or zero-padded copies when it is short."""
+    n, device = hi - lo, param.device
     codes = [m.codes[_code_range(m.fmt, lo, hi)] for m in moments]
-    scales = [m.scales[lo // m.fmt.block : hi // m.fmt.block] for m in moments]
-    device = p.device
-    kernel(
-        codes,
-        scales,
-        tables,
-        value[lo:hi] if value is not None else _empty(torch.float32, device),
-        g[lo:hi],
-        p[lo:hi] if (value is None or value is not p) else _empty(p.dtype, device),
-        rem[lo:hi] if rem is not None else _empty(torch.int16, device),
-        scalars,
-        fac,
-        floats,
-    )
+    scales = [m.scales[lo // m.fmt.block : -(-hi // m.fmt.block)] for m in moments]
+    full = n == FUSED_CHUNK
 
-
-def _run_padded(
-    kernel: Callable[..., None],
-    moments: Sequence[CompactTensor],
-    tables: list[torch.Tensor],
-    value: torch.Tensor | None,
-    g: torch.Tensor,
-    p: torch.Tensor,
-    rem: torch.Tensor | None,
-    scalars: torch.Tensor,
-    floats: _Floats,
-    fac: torch.Tensor,
-    lo: int,
-    hi: int,
-) -> None:
-    """One item shorter than a chunk, through zero-padded copies."""
-    n, device = hi - lo, p.device
-    codes, scales, outs = [], [], []
-    for k, m in enumerate(moments):
-        fmt = m.fmt
-        cbuf = _PADS.get(f"codes{k}", torch.uint8, FUSED_CHUNK * fmt.bits // 8, device)
-        sbuf = _PADS.get(f"scales{k}", torch.float32, FUSED_CHUNK // fmt.block, device)
-        csrc = m.codes[_code_range(fmt, lo, hi)]
-        ssrc = m.scales[lo // fmt.block : -(-hi // fmt.block)]
-        cbuf[: csrc.numel()].copy_(csrc)
-        sbuf[: ssrc.numel()].copy_(ssrc)
-        codes.append(cbuf)
-        scales.append(sbuf)
-        outs.append((csrc, ssrc, cbuf, sbuf, fmt))
-
-    def padded(role: str, src: torch.Tensor) -> torch.Tensor:
-        buf = _PADS.get(role, src.dtype, FUSED_CHUNK, device)
-        buf[n:].zero_()  # finite: see [Note: Compiled step, same bytes]
-        buf[:n].copy_(src[lo:hi])
+    def padded(role: str, src: torch.Tensor, size: int) -> torch.Tensor:
+        if full:
+            return src
+        buf = _scratch(role, src.dtype, size, device)
+        buf[src.numel() :].zero_()  # finite: see [Note: Compiled step, same bytes]
+        buf[: src.numel()].copy_(src)
         return buf
 
-    gbuf = padded("grad", g)
-    plain = value is p
-    vbuf = padded("value", value) if value is not None else _empty(torch.float32, device)
-    pbuf = padded("param", p) if not plain else _empty(p.dtype, device)
-    rbuf = padded("remainder", rem) if rem is not None else _empty(torch.int16, device)
-    valid = scalars.clone()
-    valid[_VALID] = float(n)
-    kernel(codes, scales, tables, vbuf, gbuf, pbuf, rbuf, valid, fac, floats)
-    for csrc, ssrc, cbuf, sbuf, fmt in outs:
-        csrc.copy_(cbuf[: csrc.numel()])
-        if fmt.bits == 4 and n % 2:  # a lone last element keeps its low nibble 0
-            csrc[-1:].bitwise_and_(0xF0)
-        ssrc.copy_(sbuf[: ssrc.numel()])
-    if value is not None:
-        value[lo:hi].copy_(vbuf[:n])
-    if not plain:
-        p[lo:hi].copy_(pbuf[:n])
-    if rem is not None:
-        rem[lo:hi].copy_(rbuf[:n])
+    codes = [
+        padded(f"codes{k}", c, FUSED_CHUNK * m.fmt.bits // 8)
+        for k, (c, m) in enumerate(zip(codes, moments, strict=True))
+    ]
+    scales = [
+        padded(f"scales{k}", s, FUSED_CHUNK // m.fmt.block)
+        for k, (s, m) in enumerate(zip(scales, moments, strict=True))
+    ]
+    if source == "plain":
+        g, p, r = none[grad.dtype], none[param.dtype], none[torch.int16]
+    else:
+        g = padded("grad_in", grad[lo:hi], FUSED_CHUNK)
+        if source == "remainder" and remainder is not None:
+            p = padded("param_in", param[lo:hi], FUSED_CHUNK)
+            r = padded("remainder_in", remainder[lo:hi], FUSED_CHUNK)
+        else:
+            p, r = none[param.dtype], none[torch.int16]
+    return _Chunk(codes, scales, g, p, r)
+
+
+def _copy_back(
+    chunk: _Chunk,
+    moments: Sequence[CompactTensor],
+    param: torch.Tensor,
+    remainder: torch.Tensor | None,
+    source: str,
+    lo: int,
+    hi: int,
+) -> None:
+    """A short chunk's results, from its padded copies into the state and the param."""
+    n = hi - lo
+    for k, m in enumerate(moments):
+        dst = m.codes[_code_range(m.fmt, lo, hi)]
+        dst.copy_(chunk.codes[k][: dst.numel()])
+        if m.fmt.bits == 4 and n % 2:  # a lone last element keeps its low nibble 0
+            dst[-1:].bitwise_and_(0xF0)
+        sdst = m.scales[lo // m.fmt.block : -(-hi // m.fmt.block)]
+        sdst.copy_(chunk.scales[k][: sdst.numel()])
+    if source == "remainder" and remainder is not None:
+        param[lo:hi].copy_(chunk.param[:n])
+        remainder[lo:hi].copy_(chunk.remainder[:n])

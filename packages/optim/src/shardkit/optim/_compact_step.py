@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
-from shardkit.optim._compact_fused import fused_eligible, fused_param_step, step_scalars
+from shardkit.optim._compact_fused import fused_eligible, fused_param_step
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._remainder import join_master, split_master
 from torch.optim.adam import adam
@@ -301,26 +301,26 @@ def compact_adam_step(
     stepped = [i for i in range(n) if grads[i] is not None]
     if not stepped:
         return
+    functional = adamw if decoupled_weight_decay else adam
+    kwargs: dict[str, Any] = dict(
+        foreach=impl == "foreach",
+        fused=impl == "fused",
+        capturable=False,
+        differentiable=False,
+        amsgrad=amsgrad,
+        beta1=betas[0],
+        beta2=betas[1],
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+    )
+    stepped_eager = stepped
     if compiled:
         stepped_eager = _step_compiled(
-            stepped,
-            params,
-            grads,
-            states,
-            masters,
-            remainders,
-            grad_factors,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled=decoupled_weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        )
-    else:
-        stepped_eager = stepped
-    functional = adamw if decoupled_weight_decay else adam
+            stepped, params, grads, states, masters, remainders, grad_factors, scratch,
+            functional, kwargs,
+        )  # fmt: skip
     numels = [p.numel() for p in params]
     for batch in _items(numels, stepped_eager, scratch.chunk):
         _step_batch(
@@ -333,19 +333,7 @@ def compact_adam_step(
             grad_factors,
             scratch,
             functional,
-            dict(
-                foreach=impl == "foreach",
-                fused=impl == "fused",
-                capturable=False,
-                differentiable=False,
-                amsgrad=amsgrad,
-                beta1=betas[0],
-                beta2=betas[1],
-                lr=lr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            ),
+            kwargs,
         )
     for i in stepped:
         states[i].step.add_(1)
@@ -359,17 +347,13 @@ def _step_compiled(
     masters: Sequence[torch.Tensor | None],
     remainders: Sequence[torch.Tensor | None],
     grad_factors: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    amsgrad: bool,
-    maximize: bool,
+    scratch: StepScratch,
+    functional: Callable[..., None],
+    kwargs: dict[str, Any],
 ) -> list[int]:
-    """Steps what the compiled kernel can step; returns the params left to the eager step."""
+    """Steps what the compiled kernels can step; returns the params left to the eager step."""
     left: list[int] = []
+    amsgrad = bool(kwargs["amsgrad"])
     for i in stepped:
         p, g, st, m, r = params[i], grads[i], states[i], masters[i], remainders[i]
         assert g is not None  # only params with a gradient are stepped
@@ -378,9 +362,6 @@ def _step_compiled(
         if not fused_eligible(p, g, moments, source):
             left.append(i)
             continue
-        scalars = step_scalars(
-            float(st.step.item()) + 1, lr, betas, eps, weight_decay, decoupled, maximize
-        )
         with profiler_range("shardkit.compact.compiled"):
             done = fused_param_step(
                 _flat(p, f"param {i}"),
@@ -389,9 +370,10 @@ def _step_compiled(
                 None if m is None else _flat(m, f"master {i}"),
                 None if r is None else _flat(r, f"remainder {i}"),
                 grad_factors,
-                scalars,
-                amsgrad=amsgrad,
-                l2=weight_decay != 0 and not decoupled,
+                st.step,
+                scratch.step_copies(st.step.device, 1)[0],
+                functional,
+                kwargs,
             )
         if not done:
             left.append(i)
