@@ -209,7 +209,7 @@ def test_second_step_does_not_compile() -> None:
     st_ = AdamState.zeros(p, "int8")
     compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True, **kw)
     assert fused.compiled_unavailable() is None
-    misses = fused._compiled.cache_info().misses  # noqa: SLF001 (the module's own cache)
+    misses = fused._compiled.cache_info().misses
     q = torch.randn(3 * fused.FUSED_CHUNK - 4096)
     sq = AdamState.zeros(q, "int8")
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -218,7 +218,7 @@ def test_second_step_does_not_compile() -> None:
                 [p, q], [torch.randn_like(p), torch.randn_like(q)], [st_, sq], lr=lr,
                 compiled=True, **kw,
             )  # fmt: skip
-    assert fused._compiled.cache_info().misses == misses  # noqa: SLF001
+    assert fused._compiled.cache_info().misses == misses
     assert st_.step.item() == 3
 
 
@@ -232,7 +232,7 @@ def test_failed_compilation_falls_back_once(
         return broken, broken
 
     monkeypatch.setattr(fused, "_compiled", kernels)
-    monkeypatch.setitem(fused._state, "unavailable", None)  # noqa: SLF001
+    monkeypatch.setitem(fused._state, "unavailable", None)
     run = _setup([(5000,), (300,)], ["int8", "int8"], "plain", torch.float32, False, "foreach", 7)
     g = torch.Generator().manual_seed(8)
     with caplog.at_level(logging.WARNING, logger="shardkit.optim"):

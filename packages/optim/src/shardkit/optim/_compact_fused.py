@@ -93,7 +93,9 @@ class _Variant:
     n_factors: int
 
 
-def _decode(codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, block: int) -> torch.Tensor:
+def _decode(
+    codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, block: int
+) -> torch.Tensor:
     values = pairs.index_select(0, codes.to(torch.int32)).view(-1)
     return (values.view(-1, block) * scales[:, None]).view(-1)
 
@@ -307,7 +309,9 @@ def fused_param_step(
                 raise  # a chunk already stepped: a failure now is not a compilation failure
             _give_up(f"{type(exc).__name__}: {exc}")
             return False
-        value = joined[:n] if source == "remainder" else (param if master is None else master)[lo:hi]
+        value = (
+            joined[:n] if source == "remainder" else (param if master is None else master)[lo:hi]
+        )
         g = grad[lo:hi] if source == "plain" else grad32[:n]
         step_copy.copy_(step)
         functional(
