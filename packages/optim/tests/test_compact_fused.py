@@ -283,3 +283,60 @@ def test_compile_options_pin() -> None:
     assert set(fused.COMPILE_OPTIONS) <= known
     assert fused.COMPILE_OPTIONS["cpp.enable_floating_point_contract_flag"] == "off"
     assert fused.COMPILE_OPTIONS["cpp.enable_unsafe_math_opt_flag"] is False
+
+
+def test_active_function_mode_does_not_recompile() -> None:
+    """A torch-function mode on the stack whose state changes per call (as shardkit-ddp's
+    param-access guard counts its calls) neither recompiles the kernels nor sees their ops;
+    torch's Adam between them still runs through it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    p = torch.randn(2 * fused.FUSED_CHUNK + 5000)
+    st_ = AdamState.zeros(p, "int8")
+    compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True)
+    mode = Count()
+    with mode, torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(3):
+            compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True)
+    assert mode.calls > 0 and fused.compiled_unavailable() is None
+
+
+def test_failure_after_a_chunk_continues_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compilation that fails at a later chunk (a recompilation refused, ...): the chunks
+    already stepped stay, the eager step continues from there, same bytes."""
+    real = fused._compiled
+    calls = {"n": 0}
+
+    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+        dequantize, quantize = real(variant)
+
+        def flaky(*args: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise RuntimeError("recompilation refused")
+            dequantize(*args)
+
+        return flaky, quantize
+
+    monkeypatch.setattr(fused, "_compiled", kernels)
+    monkeypatch.setitem(fused._state, "unavailable", None)
+    shapes = [(2 * fused.FUSED_CHUNK + 700,)]
+    run = _setup(shapes, ["int8"], "plain", torch.float32, False, "fused", 9)
+    g = torch.Generator().manual_seed(10)
+    with caplog.at_level(logging.WARNING, logger="shardkit.optim"):
+        eager, compiled = _step_both(
+            run, _grads(shapes, g, torch.float32, 0.0), lr=1e-3, impl="fused"
+        )
+    _assert_same(eager, compiled)
+    assert calls["n"] == 2 and "recompilation refused" in caplog.text

@@ -33,7 +33,9 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   element) and its results are dropped. Nothing that changes per step (learning rate, step
   count) is a constant of the kernels, so a step never recompiles: one compilation per variant
   (:class:`_Variant`: formats, amsgrad, masters, dtypes, number of gradient factors), once per
-  process (inductor's on-disk cache makes later processes cheaper).
+  process (inductor's on-disk cache makes later processes cheaper). The kernels run with the
+  torch-function mode stack set aside (``_torch_compat.no_function_modes``): a mode would be
+  traced into the graph and its state guarded, which recompiles when that state changes.
 
 Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, the gradient
 (masters) and the joined master (remainders), 1 MiB each, allocated once per process and
@@ -55,6 +57,7 @@ import torch
 from shardkit.optim._compact import CompactFormat, CompactTensor
 from shardkit.optim._compact_maps import lookup_tables
 from shardkit.optim._remainder import join_master, split_master
+from shardkit.optim._torch_compat import no_function_modes
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -262,16 +265,17 @@ def fused_param_step(
     step_copy: torch.Tensor,
     functional: Callable[..., None],
     kwargs: dict[str, Any],
-) -> bool:
-    """Steps one param (flat, all its elements) with the compiled kernels, chunk by chunk.
+) -> int:
+    """Steps one param (flat) with the compiled kernels, chunk by chunk.
 
     ``functional`` and ``kwargs`` are the eager step's torch Adam call; ``step_copy`` a 0-d
-    tensor on ``step``'s device that each chunk's call increments from ``step``. Returns
-    ``False`` (nothing written) when the compiled step is unavailable; see [Note: Compiled
-    step, same bytes].
+    tensor on ``step``'s device that each chunk's call increments from ``step``. Returns how
+    many leading elements it stepped: all of them, or, where compilation is unavailable or
+    fails, the chunks stepped before (0 at first; logged once), which the eager step continues
+    from; see [Note: Compiled step, same bytes].
     """
     if _state["unavailable"] is not None:
-        return False
+        return 0
     source = "remainder" if remainder is not None else "master" if master is not None else "plain"
     variant = _Variant(
         tuple(m.fmt for m in moments),
@@ -283,7 +287,7 @@ def fused_param_step(
         dequantize, quantize = _compiled(variant)
     except Exception as exc:  # torch.compile itself refused (no dynamo on this Python, ...)
         _give_up(f"{type(exc).__name__}: {exc}")
-        return False
+        return 0
     device = param.device
     tables = [lookup_tables(m.fmt.map_name, device) for m in moments]
     fac = torch.ones(variant.n_factors, dtype=torch.float32, device=device)
@@ -300,15 +304,14 @@ def fused_param_step(
         chunk = _chunk(moments, grad, param, remainder, source, lo, hi, none)
         valid = torch.tensor(float(n))
         try:
-            dequantize(
-                chunk.codes, chunk.scales, [t.pairs for t in tables], chunk.grad, fac,
-                chunk.param, chunk.remainder, new, grad32, joined,
-            )  # fmt: skip
-        except Exception as exc:  # compilation failed (no C++ compiler, ...): nothing written
-            if lo:
-                raise  # a chunk already stepped: a failure now is not a compilation failure
+            with no_function_modes():  # See [Note: Compiled step, same bytes]
+                dequantize(
+                    chunk.codes, chunk.scales, [t.pairs for t in tables], chunk.grad, fac,
+                    chunk.param, chunk.remainder, new, grad32, joined,
+                )  # fmt: skip
+        except Exception as exc:  # compiling failed (no C++ compiler, ...): this chunk untouched
             _give_up(f"{type(exc).__name__}: {exc}")
-            return False
+            return lo
         value = (
             joined[:n] if source == "remainder" else (param if master is None else master)[lo:hi]
         )
@@ -318,16 +321,16 @@ def fused_param_step(
             [value], [g], [new[0][:n]], [new[1][:n]], [new[2][:n]] if len(new) > 2 else [],
             [step_copy], has_complex=False, **kwargs,
         )  # fmt: skip
-        quantize(
-            new, [t.entry for t in tables], valid, chunk.codes, chunk.scales,
-            joined,
-            chunk.param, chunk.remainder,
-        )  # fmt: skip
+        with no_function_modes():
+            quantize(
+                new, [t.entry for t in tables], valid, chunk.codes, chunk.scales, joined,
+                chunk.param, chunk.remainder,
+            )  # fmt: skip
         if n < FUSED_CHUNK:
             _copy_back(chunk, moments, param, remainder, source, lo, hi)
         if master is not None:
             param[lo:hi].copy_(master[lo:hi])
-    return True
+    return numel
 
 
 def _chunk(

@@ -157,12 +157,19 @@ class _Item:
     hi: int
 
 
-def _items(numels: Sequence[int], stepped: Sequence[int], chunk: int) -> Iterator[list[_Item]]:
-    """Batches of items: see [Note: Compact step by chunks]."""
+def _items(
+    numels: Sequence[int],
+    stepped: Sequence[int],
+    chunk: int,
+    starts: dict[int, int] | None = None,
+) -> Iterator[list[_Item]]:
+    """Batches of items (of each param from its element ``starts[i]``, default 0): see [Note:
+    Compact step by chunks]."""
     batch: list[_Item] = []
     size = 0
     for i in stepped:
-        for lo in range(0, numels[i], chunk):
+        start = 0 if starts is None else starts.get(i, 0)
+        for lo in range(start, numels[i], chunk):
             hi = min(lo + chunk, numels[i])
             if size + hi - lo > chunk:
                 yield batch
@@ -315,14 +322,14 @@ def compact_adam_step(
         eps=eps,
         maximize=maximize,
     )
-    stepped_eager = stepped
+    stepped_eager, starts = stepped, {}
     if compiled:
-        stepped_eager = _step_compiled(
+        stepped_eager, starts = _step_compiled(
             stepped, params, grads, states, masters, remainders, grad_factors, scratch,
             functional, kwargs,
         )  # fmt: skip
     numels = [p.numel() for p in params]
-    for batch in _items(numels, stepped_eager, scratch.chunk):
+    for batch in _items(numels, stepped_eager, scratch.chunk, starts):
         _step_batch(
             batch,
             params,
@@ -350,9 +357,11 @@ def _step_compiled(
     scratch: StepScratch,
     functional: Callable[..., None],
     kwargs: dict[str, Any],
-) -> list[int]:
-    """Steps what the compiled kernels can step; returns the params left to the eager step."""
+) -> tuple[list[int], dict[int, int]]:
+    """Steps what the compiled kernels can step; returns the params left to the eager step
+    and, for those the compiled step began, the element the eager step continues from."""
     left: list[int] = []
+    starts: dict[int, int] = {}
     amsgrad = bool(kwargs["amsgrad"])
     for i in stepped:
         p, g, st, m, r = params[i], grads[i], states[i], masters[i], remainders[i]
@@ -375,9 +384,10 @@ def _step_compiled(
                 functional,
                 kwargs,
             )
-        if not done:
+        if done < p.numel():
             left.append(i)
-    return left
+            starts[i] = done
+    return left, starts
 
 
 def _step_batch(
