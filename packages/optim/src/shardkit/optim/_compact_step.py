@@ -294,11 +294,11 @@ def compact_adam_step(
         grad_factors: 0-d tensors multiplying the upcast fp32 gradients of params with a master
             or remainder, in order (a loss scaler's ``1 / scale``, a clip coefficient).
         scratch: buffers to reuse across calls (a new one per call when ``None``).
-        compiled: step the params whose moments are all compact (on the CPU) with one
-            ``torch.compile``-d kernel per chunk instead of the eager codec around torch's
-            Adam: the bytes of ``impl="foreach"`` (see [Note: Compiled step, same bytes] in
-            ``_compact_fused.py``), whatever ``impl`` says. Compiled on first use, once per
-            process and variant; where compilation fails, the eager step runs (logged once).
+        compiled: dequantize and requantize the params whose moments are all compact (on
+            the CPU) with ``torch.compile``-d kernels, around the same torch Adam call: the
+            same bytes as ``False`` (see [Note: Compiled step, same bytes] in
+            ``_compact_fused.py``). Compiled on first use, once per process and variant; where
+            compilation fails, the eager step runs (logged once).
     """
     n = len(params)
     masters = [None] * n if masters is None else list(masters)
@@ -322,7 +322,8 @@ def compact_adam_step(
         eps=eps,
         maximize=maximize,
     )
-    stepped_eager, starts = stepped, {}
+    stepped_eager: list[int] = stepped
+    starts: dict[int, int] = {}
     if compiled:
         stepped_eager, starts = _step_compiled(
             stepped, params, grads, states, masters, remainders, grad_factors, scratch,
