@@ -21,10 +21,10 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   ops that round differently from inductor's C++ (``lerp``, ``add(alpha=)`` and ``addcmul`` use
   an FMA, ``sqrt`` is MKL's vector square root, not always correctly rounded) so never run
   compiled;
-* the compiled kernels do only exact work or the eager step's ops one for one: dequantize
-  (``map[code] * scale``), the gradient's upcast and its factors in order, the remainder join
-  and split (integer ops), the quantizer (block extremes, one division, integer ops, a table
-  lookup), and inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
+* the compiled kernels run the eager step's own functions (``_compact._decode`` and
+  ``_encode_rows``: ``map[code] * scale``; block extremes, one division, integer ops, a table
+  lookup; ``join_master`` / ``split_master``: integer ops) and its gradient upcast and factors
+  in order, and inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
   (:data:`COMPILE_OPTIONS`, pinned explicitly): the C++ compiler may neither contract a
   multiply and an add into an FMA nor reorder;
 * the kernels see one shape (``dynamic=False``): every chunk is :data:`FUSED_CHUNK` elements,
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from shardkit.optim._compact import CompactFormat, CompactTensor
-from shardkit.optim._compact_maps import lookup_tables
+from shardkit.optim._compact import CompactFormat, CompactTensor, _decode, _encode_rows
+from shardkit.optim._compact_maps import Tables, lookup_tables
 from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._torch_compat import no_function_modes
 
@@ -81,8 +81,6 @@ COMPILE_OPTIONS: dict[str, Any] = {
 }
 """inductor options of the compiled kernels: see [Note: Compiled step, same bytes]."""
 
-_TINY = 2.0**-126  # as _compact._TINY: see [Note: Non-finite and tiny blocks]
-
 
 @dataclass(frozen=True)
 class _Variant:
@@ -96,35 +94,6 @@ class _Variant:
     n_factors: int
 
 
-def _decode(
-    codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, block: int
-) -> torch.Tensor:
-    values = pairs.index_select(0, codes.to(torch.int32)).view(-1)
-    return (values.view(-1, block) * scales[:, None]).view(-1)
-
-
-def _encode(
-    x: torch.Tensor, fmt: CompactFormat, entry: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_compact._encode_rows`` on whole blocks, returning (codes, scales)."""
-    qmap = fmt.qmap
-    rows = x.view(-1, fmt.block)
-    hi, lo = rows.amax(1), rows.amin(1)
-    s = torch.where(hi >= -lo, hi, lo) if qmap.signed else torch.maximum(hi, -lo)
-    ok = (s.abs() >= _TINY) & torch.isfinite(s)
-    scales = torch.where(ok, s, torch.where(torch.isnan(s) | torch.isinf(s), torch.nan, 0.0))
-    r = rows / torch.where(ok, s, 1.0)[:, None]
-    bits = r.view(torch.int32)
-    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-    cell = ((key >> 16) & 0xFFFF).view(-1)
-    code = (entry.index_select(0, cell) + (key & 0xFFFF).view(-1)) >> 16
-    code = torch.where(ok[:, None], code.view(rows.shape), qmap.zero_code).view(-1)
-    if qmap.bits == 4:
-        pairs = code.view(-1, 2)
-        code = (pairs[:, 0] << 4) | pairs[:, 1]
-    return code.to(torch.uint8), scales
-
-
 def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]]:
     """The dequantize and quantize kernels of ``variant``, before compilation."""
     v = variant
@@ -132,7 +101,7 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
     def dequantize(
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
-        pairs: list[torch.Tensor],
+        tables: list[Tables],
         grad: torch.Tensor,
         factors: torch.Tensor,
         param: torch.Tensor,
@@ -142,7 +111,7 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
         value_out: torch.Tensor,
     ) -> None:
         for k, fmt in enumerate(v.formats):
-            out[k].copy_(_decode(codes[k], scales[k], pairs[k], fmt.block))
+            _decode(codes[k], scales[k], tables[k].pairs, fmt.block, out[k])
         if v.source != "plain":
             g = grad.float()
             for k in range(v.n_factors):  # one multiply each, in order: as _master.py does
@@ -153,7 +122,7 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
 
     def quantize(
         new: list[torch.Tensor],
-        entries: list[torch.Tensor],
+        tables: list[Tables],
         valid: torch.Tensor,
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
@@ -164,9 +133,8 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
         # the padding of a short chunk must not move its last block's scale
         keep = torch.arange(FUSED_CHUNK, device=valid.device) < valid
         for k, fmt in enumerate(v.formats):
-            c, s = _encode(torch.where(keep, new[k], 0.0), fmt, entries[k])
-            codes[k].copy_(c)
-            scales[k].copy_(s)
+            rows = torch.where(keep, new[k], 0.0).view(-1, fmt.block)
+            _encode_rows(rows, scales[k], codes[k], 0, fmt.qmap, tables[k])
         if v.source == "remainder":
             p, r = split_master(value)
             param.copy_(p)
@@ -306,7 +274,7 @@ def fused_param_step(
         try:
             with no_function_modes():  # See [Note: Compiled step, same bytes]
                 dequantize(
-                    chunk.codes, chunk.scales, [t.pairs for t in tables], chunk.grad, fac,
+                    chunk.codes, chunk.scales, tables, chunk.grad, fac,
                     chunk.param, chunk.remainder, new, grad32, joined,
                 )  # fmt: skip
         except Exception as exc:  # compiling failed (no C++ compiler, ...): this chunk untouched
@@ -323,7 +291,7 @@ def fused_param_step(
         )  # fmt: skip
         with no_function_modes():
             quantize(
-                new, [t.entry for t in tables], valid, chunk.codes, chunk.scales, joined,
+                new, tables, valid, chunk.codes, chunk.scales, joined,
                 chunk.param, chunk.remainder,
             )  # fmt: skip
         if n < FUSED_CHUNK:
