@@ -310,16 +310,21 @@ def test_active_function_mode_does_not_recompile() -> None:
     assert mode.calls > 0 and fused.compiled_unavailable() is None
 
 
+@pytest.mark.parametrize("failing", ["dequantize", "quantize"])
+@pytest.mark.parametrize("how", ["plain", "remainder"])
 def test_failure_after_a_chunk_continues_eagerly(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failing: str, how: str
 ) -> None:
-    """A compilation that fails at a later chunk (a recompilation refused, ...): the chunks
-    already stepped stay, the eager step continues from there, same bytes."""
+    """A compilation that fails at a later chunk (a recompilation refused, ...), in either
+    kernel: the chunks already stepped stay, the failed one and the rest end eagerly, same
+    bytes."""
     real = fused._compiled
     calls = {"n": 0}
+    kernels_of: dict[str, Callable[..., None]] = {}
 
     def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
         dequantize, quantize = real(variant)
+        kernels_of["dequantize"] = dequantize
 
         def flaky(*args: Any) -> None:
             calls["n"] += 1
@@ -327,16 +332,24 @@ def test_failure_after_a_chunk_continues_eagerly(
                 raise RuntimeError("recompilation refused")
             dequantize(*args)
 
-        return flaky, quantize
+        def flaky_quantize(*args: Any) -> None:
+            if failing == "quantize" and calls["n"] > 1:
+                raise RuntimeError("recompilation refused")
+            quantize(*args)
+
+        return (flaky if failing == "dequantize" else counted), flaky_quantize
+
+    def counted(*args: Any) -> None:
+        calls["n"] += 1
+        kernels_of["dequantize"](*args)
 
     monkeypatch.setattr(fused, "_compiled", kernels)
     monkeypatch.setitem(fused._state, "unavailable", None)
     shapes = [(2 * fused.FUSED_CHUNK + 700,)]
-    run = _setup(shapes, ["int8"], "plain", torch.float32, False, "fused", 9)
+    dtype = torch.float32 if how == "plain" else torch.bfloat16
+    run = _setup(shapes, ["int8"], how, dtype, False, "fused", 9)
     g = torch.Generator().manual_seed(10)
     with caplog.at_level(logging.WARNING, logger="shardkit.optim"):
-        eager, compiled = _step_both(
-            run, _grads(shapes, g, torch.float32, 0.0), lr=1e-3, impl="fused"
-        )
+        eager, compiled = _step_both(run, _grads(shapes, g, dtype, 0.0), lr=1e-3, impl="fused")
     _assert_same(eager, compiled)
     assert calls["n"] == 2 and "recompilation refused" in caplog.text

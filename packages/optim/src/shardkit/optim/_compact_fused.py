@@ -14,8 +14,9 @@ signed zeros and subnormals included, on the CPU. What makes that so:
 
 * the update is torch's own: the chunk's Adam / AdamW runs through the same functional call as
   in the eager step (same kwargs, same per-item step-count copy), on the same element ranges:
-  a chunk is cut at multiples of :data:`FUSED_CHUNK` (a multiple of the eager ``CHUNK``, so of
-  every vector width), and a last, shorter chunk is stepped on exactly its elements, so torch's
+  chunks are cut at multiples of :data:`FUSED_CHUNK` (the eager step cuts at multiples of its
+  chunk, a multiple of 256: either way every cut but a param's end is a multiple of every
+  vector width), and a last, shorter chunk is stepped on exactly its elements, so torch's
   vector body and scalar tail (which differ for the fused kernel: [Note: Fused steps of cut
   params] in ``_shard_stepper.py``) fall on the same elements as in the eager step. torch's CPU
   ops that round differently from inductor's C++ (``lerp``, ``add(alpha=)`` and ``addcmul`` use
@@ -38,7 +39,7 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   traced into the graph and its state guarded, which recompiles when that state changes.
 
 Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, the gradient
-(masters) and the joined master (remainders), 1 MiB each, allocated once per process and
+(masters) and the joined master (remainders), 1 MiB each, allocated once per thread and
 device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
 checks the bytes against the eager step for every option, edge shapes and specials, and that
 a second step does not compile again.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,7 +72,7 @@ __all__ = [
 logger = logging.getLogger("shardkit.optim")
 
 FUSED_CHUNK = 256 * 1024
-"""Elements per call of the compiled kernels (a multiple of the eager ``CHUNK``)."""
+"""Elements per call of the compiled kernels (a multiple of every block size)."""
 
 COMPILE_OPTIONS: dict[str, Any] = {
     "cpp.enable_floating_point_contract_flag": "off",
@@ -183,15 +185,18 @@ def _give_up(reason: str) -> None:
         )
 
 
-_SCRATCH: dict[tuple[str, torch.dtype, int, torch.device], torch.Tensor] = {}
+_SCRATCH = threading.local()
 
 
 def _scratch(role: str, dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:
-    """A per-process buffer (reused by every call: the step is not reentrant)."""
+    """A buffer of this thread's (reused by every step on the thread: a step runs one chunk
+    at a time; optimizers stepped on other threads, e.g. from a comm hook, get their own)."""
+    buffers: dict[tuple[str, torch.dtype, int, torch.device], torch.Tensor]
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     key = (role, dtype, n, device)
-    buf = _SCRATCH.get(key)
+    buf = buffers.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+        buf = buffers[key] = torch.empty(n, dtype=dtype, device=device)
     return buf
 
 
@@ -289,11 +294,21 @@ def fused_param_step(
             [value], [g], [new[0][:n]], [new[1][:n]], [new[2][:n]] if len(new) > 2 else [],
             [step_copy], has_complex=False, **kwargs,
         )  # fmt: skip
-        with no_function_modes():
-            quantize(
-                new, tables, valid, chunk.codes, chunk.scales, joined,
-                chunk.param, chunk.remainder,
-            )  # fmt: skip
+        try:
+            with no_function_modes():
+                quantize(
+                    new, tables, valid, chunk.codes, chunk.scales, joined,
+                    chunk.param, chunk.remainder,
+                )  # fmt: skip
+        except Exception as exc:  # compiling failed: this chunk ends as the eager step does
+            _give_up(f"{type(exc).__name__}: {exc}")
+            for k, m in enumerate(moments):
+                m.quantize_range_(lo, new[k][:n])
+            if remainder is not None:
+                split_master(joined[:n], param[lo:hi], remainder[lo:hi])
+            if master is not None:
+                param[lo:hi].copy_(master[lo:hi])
+            return hi
         if n < FUSED_CHUNK:
             _copy_back(chunk, moments, param, remainder, source, lo, hi)
         if master is not None:
