@@ -37,9 +37,15 @@ wired into ``ShardedOptimizer``). Four measurements:
    ``torch.compile`` (bit-identical, asserted); and the whole training step of the GPT runs
    above (forward, backward, optimizer), int8 / int4 over fp32.
 
+5. **The compiled step** (issue 51, ``test_bench_compact_compiled_step``): the same step time
+   interleaved for fp32 AdamW, the eager compact step and ``compact_adam_step(compiled=True)``
+   (int8 / int4, fused and foreach inside), and the first-step compilation cost in fresh
+   processes, with an empty inductor cache and with the cache that run left.
+
 Run with ``python -m pytest -o python_files='bench_*.py' packages/optim/benchmarks/bench_compact.py
--q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN); ``-k cnn`` runs the
-CNN's quality runs alone, ``-k compact_state`` the rest.
+-q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN and 1 for the compiled
+step); ``-k cnn`` runs the CNN's quality runs alone, ``-k compiled`` the compiled step's,
+``-k compact_state`` the rest.
 """
 
 from __future__ import annotations
