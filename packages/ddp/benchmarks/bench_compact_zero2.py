@@ -13,13 +13,23 @@ runs in fresh ranks.
 ``..._step_ratio``: the median step time of the last two steps over fp32 moments' (same
 params, same run; the CPU figure of the eager codec, see the optim README).
 
-Run with ``python tools/bench.py ddp`` (this one: about 16 minutes on a 2-core CPU).
+``test_bench_compact_zero2_step`` (issue 51) times the whole training step (``zero_grad``,
+forward, backward, ``step``; batch 32) of three systems built side by side in the same two ranks
+(world 2, Gloo, one thread each, AdamW ``fused=True``, ``ShardedDataParallel`` defaults): fp32
+moments, int8 moments with the compiled step (the default) and int8 with the eager step
+(``compact_compile=False``), interleaved round robin (the order rotated every round, a barrier
+before each step); the figure is the median over rounds of ``t_int8 / t_fp32`` within a round,
+with the quartiles, and the compiled system's first step (compilation) over its median step.
+
+Run with ``python tools/bench.py ddp`` (the memory one: about 16 minutes on a 2-core CPU; the
+step one: about 3).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -107,3 +117,78 @@ def test_bench_compact_zero2_memory(benchmark: Any) -> None:
             assert info[f"w{world}_{params}_int8_state"] < fp32
             assert info[f"w{world}_{params}_int8_live"] < info[f"w{world}_{params}_fp32_live"]
             assert info[f"w{world}_{params}_int4_live"] < info[f"w{world}_{params}_int8_live"]
+
+
+_STEP_ROUNDS = int(os.environ.get("SHARDKIT_BENCH_COMPACT_STEP_ROUNDS", "12"))
+
+
+def _step_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from shardkit.ddp import ShardedDataParallel
+    from shardkit.optim import ShardedOptimizer
+
+    systems: dict[str, tuple[Any, Any]] = {}
+    for name, kind, compiled in (
+        ("fp32", None, True),
+        ("int8_compiled", "int8", True),
+        ("int8_eager", "int8", False),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
+        opt = ShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True, compact_state=kind,
+            compact_compile=compiled,
+        )  # fmt: skip
+        systems[name] = (ShardedDataParallel(model, opt), opt)
+    x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(rank))
+
+    def step(name: str) -> float:
+        sdp, opt = systems[name]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        sdp(x).square().mean().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    first = {name: step(name) for name in systems}  # the compiled system compiles here
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    names = list(systems)
+    for r in range(_STEP_ROUNDS):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(step(name))
+    for sdp, _ in systems.values():
+        sdp.wait_params()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"first": first, "times": times}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_bench_compact_zero2_step(benchmark: Any) -> None:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            mp.spawn(_step_worker, args=(2, free_port(), out), nprocs=2, join=True)
+            with open(out) as f:
+                result.update(json.load(f))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    times = result["times"]
+    info: dict[str, Any] = {"rounds": len(times["fp32"])}
+    for name in ("int8_compiled", "int8_eager"):
+        ratios = sorted(a / b for a, b in zip(times[name], times["fp32"], strict=True))
+        q = statistics.quantiles(ratios, n=4)
+        info[f"{name}_step_ratio"] = round(statistics.median(ratios), 3)
+        info[f"{name}_step_ratio_quartiles"] = [round(q[0], 3), round(q[2], 3)]
+    for name, ts in times.items():
+        info[f"{name}_step_ms"] = round(statistics.median(ts) * 1e3, 1)
+    info["int8_compiled_first_step_s"] = round(result["first"]["int8_compiled"], 2)
+    info["fp32_first_step_s"] = round(result["first"]["fp32"], 2)
+    benchmark.extra_info.update(info)
+    print(json.dumps(info, indent=1))

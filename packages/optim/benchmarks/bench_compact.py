@@ -37,9 +37,15 @@ wired into ``ShardedOptimizer``). Four measurements:
    ``torch.compile`` (bit-identical, asserted); and the whole training step of the GPT runs
    above (forward, backward, optimizer), int8 / int4 over fp32.
 
+5. **The compiled step** (issue 51, ``test_bench_compact_compiled_step``): the same step time
+   interleaved for fp32 AdamW, the eager compact step and ``compact_adam_step(compiled=True)``
+   (int8 / int4, fused and foreach inside), and the first-step compilation cost in fresh
+   processes, with an empty inductor cache and with the cache that run left.
+
 Run with ``python -m pytest -o python_files='bench_*.py' packages/optim/benchmarks/bench_compact.py
--q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN); ``-k cnn`` runs the
-CNN's quality runs alone, ``-k compact_state`` the rest.
+-q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN and 1 for the compiled
+step); ``-k cnn`` runs the CNN's quality runs alone, ``-k compiled`` the compiled step's,
+``-k compact_state`` the rest.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,12 +106,18 @@ class CompactAdamW(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Any, kind: str, impl: str = "foreach", chunk: int = CHUNK, **hp: Any
+        self,
+        params: Any,
+        kind: str,
+        impl: str = "foreach",
+        chunk: int = CHUNK,
+        compiled: bool = False,
+        **hp: Any,
     ) -> None:
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
         defaults.update(hp)
         super().__init__(params, defaults)
-        self.kind, self.impl = kind, impl
+        self.kind, self.impl, self.compiled = kind, impl, compiled
         self.scratch = StepScratch(chunk=chunk)
         self.compact: dict[torch.Tensor, AdamState] = {}
 
@@ -126,6 +140,7 @@ class CompactAdamW(torch.optim.Optimizer):
                 decoupled_weight_decay=True,
                 impl=self.impl,  # type: ignore[arg-type]
                 scratch=self.scratch,
+                compiled=self.compiled,
             )
         return None
 
@@ -134,13 +149,18 @@ class CompactAdamW(torch.optim.Optimizer):
 
 
 def _optimizer(
-    kind: str, params: Any, impl: str = "foreach", chunk: int = CHUNK, **hp: Any
+    kind: str,
+    params: Any,
+    impl: str = "foreach",
+    chunk: int = CHUNK,
+    compiled: bool = False,
+    **hp: Any,
 ) -> torch.optim.Optimizer:
     if kind == "fp32":
         return torch.optim.AdamW(
             params, foreach=impl == "foreach", fused=True if impl == "fused" else None, **hp
         )
-    return CompactAdamW(params, kind, impl=impl, chunk=chunk, **hp)
+    return CompactAdamW(params, kind, impl=impl, chunk=chunk, compiled=compiled, **hp)
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -350,24 +370,39 @@ def _check_sane(quality: dict[str, list[dict[str, Any]]]) -> None:
             assert r["final_train_loss"] < r["loss_curve"][0], (kind, seed, r["loss_curve"][:3])
 
 
-def _step_times() -> dict[str, Any]:
+_EAGER_CONFIGS = [
+    ("fp32_fused", "fp32", "fused", CHUNK, False),
+    ("fp32_foreach", "fp32", "foreach", CHUNK, False),
+    ("int8_foreach", "int8", "foreach", CHUNK, False),
+    ("int8_fused", "int8", "fused", CHUNK, False),
+    ("int8_fused_chunk256k", "int8", "fused", 4 * CHUNK, False),
+    ("int4_foreach", "int4", "foreach", CHUNK, False),
+    ("int4_fused", "int4", "fused", CHUNK, False),
+    ("int8_fused_compiled", "int8", "fused", CHUNK, True),
+    ("int4_fused_compiled", "int4", "fused", CHUNK, True),
+]
+_COMPILED_CONFIGS = [
+    ("fp32_fused", "fp32", "fused", CHUNK, False),
+    ("fp32_foreach", "fp32", "foreach", CHUNK, False),
+    ("int8_fused", "int8", "fused", CHUNK, False),
+    ("int8_fused_compiled", "int8", "fused", CHUNK, True),
+    ("int8_foreach_compiled", "int8", "foreach", CHUNK, True),
+    ("int4_fused_compiled", "int4", "fused", CHUNK, True),
+]
+
+
+def _step_times(
+    configs: list[tuple[str, str, str, int, bool]] = _EAGER_CONFIGS,
+) -> dict[str, Any]:
     torch.manual_seed(0)
-    configs = [
-        ("fp32_fused", "fp32", "fused", CHUNK),
-        ("fp32_foreach", "fp32", "foreach", CHUNK),
-        ("int8_foreach", "int8", "foreach", CHUNK),
-        ("int8_fused", "int8", "fused", CHUNK),
-        ("int8_fused_chunk256k", "int8", "fused", 4 * CHUNK),
-        ("int4_foreach", "int4", "foreach", CHUNK),
-        ("int4_fused", "int4", "fused", CHUNK),
-    ]
     runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer]] = {}
-    for name, kind, impl, chunk in configs:
+    for name, kind, impl, chunk, compiled in configs:
         params = [nn.Parameter(torch.randn(1024, 1024) * 0.02) for _ in range(4)]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
-        runs[name] = (params, _optimizer(kind, params, impl=impl, chunk=chunk, lr=1e-4))
-        runs[name][1].step()  # allocates the state
+        opt = _optimizer(kind, params, impl=impl, chunk=chunk, compiled=compiled, lr=1e-4)
+        runs[name] = (params, opt)
+        runs[name][1].step()  # allocates the state (and compiles)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(_ROUNDS):
         order = list(runs)
@@ -378,7 +413,9 @@ def _step_times() -> dict[str, Any]:
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     phases: dict[str, dict[str, float]] = {}
-    for name in ("int8_foreach", "int4_foreach"):
+    for name in ("int8_foreach", "int4_foreach", "int8_fused_compiled"):
+        if name not in runs:
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             runs[name][1].step()
         total = {
@@ -461,6 +498,67 @@ def test_bench_compact_state(benchmark: Any) -> None:
     benchmark.extra_info.update(info)
     print(json.dumps(info, indent=1, default=str))
     _check_sane(quality)
+
+
+_COMPILE_COST_SCRIPT = """
+import json, sys, time, torch
+from shardkit.optim._compact_step import AdamState, compact_adam_step
+torch.set_num_threads(1)
+kind, impl = sys.argv[1], sys.argv[2]
+ps = [torch.randn(1024, 1024) for _ in range(4)]
+gs = [torch.randn_like(p) * 1e-3 for p in ps]
+st = [AdamState.zeros(p, kind, fused=impl == "fused") for p in ps]
+times = []
+for _ in range(4):
+    t0 = time.perf_counter()
+    compact_adam_step(ps, gs, st, lr=1e-4, impl=impl, compiled=True)
+    times.append(time.perf_counter() - t0)
+print(json.dumps(times))
+"""
+
+
+def _compile_cost(kind: str, impl: str) -> dict[str, float]:
+    """First-step cost of the compiled step in a fresh process: cold (an empty inductor cache)
+    and warm (the cache the cold run left), minus a later step's time."""
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        for label in ("cold", "warm"):
+            run = subprocess.run(
+                [sys.executable, "-c", _COMPILE_COST_SCRIPT, kind, impl],
+                capture_output=True, text=True, check=True, env=env, timeout=900,
+            )  # fmt: skip
+            times = json.loads(run.stdout.strip().splitlines()[-1])
+            out[f"{label}_first_step_s"] = times[0]
+            out[f"{label}_compile_s"] = times[0] - statistics.median(times[1:])
+    return out
+
+
+def test_bench_compact_compiled_step(benchmark: Any) -> None:
+    """The compiled compact step (issue 51) alone: interleaved against fp32 AdamW and the eager
+    compact step, and its first-step compilation cost (``-k compiled``, about 2 minutes)."""
+    torch.set_num_threads(1)
+    timing: dict[str, Any] = {}
+
+    def run_all() -> None:
+        timing.update(_step_times(_COMPILED_CONFIGS))
+        timing["compile_int8_fused"] = _compile_cost("int8", "fused")
+
+    load_before = os.getloadavg()[0]
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    med = timing["median_s"]
+    info: dict[str, Any] = {f"{name}_ms": round(med[name] * 1e3, 2) for name in med}
+    for name in med:
+        if name.startswith("int"):
+            info[f"{name}_vs_fp32_fused"] = round(med[name] / med["fp32_fused"], 2)
+    info["compiled_speedup_vs_eager_int8_fused"] = round(
+        med["int8_fused"] / med["int8_fused_compiled"], 2
+    )
+    info["compile_int8_fused"] = {k: round(v, 2) for k, v in timing["compile_int8_fused"].items()}
+    info["phases_ms"] = timing["phases_ms"]
+    info["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+    benchmark.extra_info.update(info)
+    print(json.dumps(info, indent=1, default=str))
 
 
 def test_bench_compact_quality_cnn(benchmark: Any) -> None:

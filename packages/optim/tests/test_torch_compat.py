@@ -142,3 +142,32 @@ def test_version_counter_pin() -> None:
             write()
         assert tensor_version(p) > seen
         seen = tensor_version(p)
+
+
+def test_no_function_modes_sets_the_stack_aside() -> None:
+    """``no_function_modes``: inside, no mode sees a call and the stack is empty; after, the
+    same modes in the same order, also when the body raises."""
+    from shardkit.optim._torch_compat import no_function_modes
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    a, b = Count(), Count()
+    with a, b:
+        before = list(_get_current_function_mode_stack())
+        with no_function_modes():
+            assert list(_get_current_function_mode_stack()) == []
+            torch.ones(2).add(1)
+        assert a.calls == b.calls == 0
+        with pytest.raises(RuntimeError, match="boom"), no_function_modes():
+            raise RuntimeError("boom")
+        assert list(_get_current_function_mode_stack()) == before == [a, b]
+        torch.ones(2).add(1)
+    assert b.calls > 0

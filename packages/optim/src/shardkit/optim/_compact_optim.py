@@ -54,8 +54,8 @@ COMPACT_KINDS = ("int8", "int4")
 _BASES = (torch.optim.Adam, torch.optim.AdamW)
 _KINDS: dict[type[Optimizer], str] = {}
 """The kind of each class :func:`compact_class` made."""
-_CLASSES: dict[tuple[type[Optimizer], str], type[Optimizer]] = {}
-"""The class :func:`compact_class` made for each ``(base, kind)``."""
+_CLASSES: dict[tuple[type[Optimizer], str, bool], type[Optimizer]] = {}
+"""The class :func:`compact_class` made for each ``(base, kind, compiled)``."""
 
 
 def check_compact(kind: object, optim_cls: type[Optimizer]) -> str | None:
@@ -80,17 +80,22 @@ def check_compact(kind: object, optim_cls: type[Optimizer]) -> str | None:
     return kind
 
 
-def compact_class(base: type[Optimizer], kind: str) -> type[Optimizer]:
+def compact_class(base: type[Optimizer], kind: str, compiled: bool = True) -> type[Optimizer]:
     """``base`` (Adam or AdamW) with ``kind`` moments: see [Note: Compact state under ZeRO-1].
 
-    One class per ``(base, kind)``, made once.
+    ``compiled``: its step runs the compiled kernels (``compact_adam_step(compiled=True)``, see
+    [Note: Compiled step, same bytes] in ``_compact_fused.py``), else the eager step. One class
+    per ``(base, kind, compiled)``, made once.
     """
-    made = _CLASSES.get((base, kind))
+    made = _CLASSES.get((base, kind, compiled))
     if made is not None:
         return made
     adam_base = cast(type[torch.optim.Adam], base)
 
     class _Compact(adam_base):  # type: ignore[valid-type,misc]
+        compiled_step = compiled
+        """Whether the step runs the compiled kernels."""
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             for g in self.param_groups:
@@ -133,12 +138,13 @@ def compact_class(base: type[Optimizer], kind: str) -> type[Optimizer]:
                     maximize=group["maximize"],
                     impl=_impl(group, params),
                     scratch=scratch,
+                    compiled=self.compiled_step,
                 )
             return loss
 
     _Compact.__name__ = _Compact.__qualname__ = f"Compact{base.__name__}"
     _KINDS[_Compact] = kind
-    _CLASSES[(base, kind)] = _Compact
+    _CLASSES[(base, kind, compiled)] = _Compact
     return _Compact
 
 

@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
+from shardkit.optim._compact_fused import fused_eligible, fused_param_step
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._remainder import join_master, split_master
 from torch.optim.adam import adam
@@ -156,12 +157,19 @@ class _Item:
     hi: int
 
 
-def _items(numels: Sequence[int], stepped: Sequence[int], chunk: int) -> Iterator[list[_Item]]:
-    """Batches of items: see [Note: Compact step by chunks]."""
+def _items(
+    numels: Sequence[int],
+    stepped: Sequence[int],
+    chunk: int,
+    starts: dict[int, int] | None = None,
+) -> Iterator[list[_Item]]:
+    """Batches of items (of each param from its element ``starts[i]``, default 0): see [Note:
+    Compact step by chunks]."""
     batch: list[_Item] = []
     size = 0
     for i in stepped:
-        for lo in range(0, numels[i], chunk):
+        start = 0 if starts is None else starts.get(i, 0)
+        for lo in range(start, numels[i], chunk):
             hi = min(lo + chunk, numels[i])
             if size + hi - lo > chunk:
                 yield batch
@@ -264,6 +272,7 @@ def compact_adam_step(
     remainders: Sequence[torch.Tensor | None] | None = None,
     grad_factors: Sequence[torch.Tensor] = (),
     scratch: StepScratch | None = None,
+    compiled: bool = False,
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step of ``params``, in place.
 
@@ -285,6 +294,11 @@ def compact_adam_step(
         grad_factors: 0-d tensors multiplying the upcast fp32 gradients of params with a master
             or remainder, in order (a loss scaler's ``1 / scale``, a clip coefficient).
         scratch: buffers to reuse across calls (a new one per call when ``None``).
+        compiled: dequantize and requantize the params whose moments are all compact (on
+            the CPU) with ``torch.compile``-d kernels, around the same torch Adam call: the
+            same bytes as ``False`` (see [Note: Compiled step, same bytes] in
+            ``_compact_fused.py``). Compiled on first use, once per process and variant; where
+            compilation fails, the eager step runs (logged once).
     """
     n = len(params)
     masters = [None] * n if masters is None else list(masters)
@@ -295,8 +309,28 @@ def compact_adam_step(
     if not stepped:
         return
     functional = adamw if decoupled_weight_decay else adam
+    kwargs: dict[str, Any] = dict(
+        foreach=impl == "foreach",
+        fused=impl == "fused",
+        capturable=False,
+        differentiable=False,
+        amsgrad=amsgrad,
+        beta1=betas[0],
+        beta2=betas[1],
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+    )
+    stepped_eager: list[int] = stepped
+    starts: dict[int, int] = {}
+    if compiled:
+        stepped_eager, starts = _step_compiled(
+            stepped, params, grads, states, masters, remainders, grad_factors, scratch,
+            functional, kwargs,
+        )  # fmt: skip
     numels = [p.numel() for p in params]
-    for batch in _items(numels, stepped, scratch.chunk):
+    for batch in _items(numels, stepped_eager, scratch.chunk, starts):
         _step_batch(
             batch,
             params,
@@ -307,22 +341,54 @@ def compact_adam_step(
             grad_factors,
             scratch,
             functional,
-            dict(
-                foreach=impl == "foreach",
-                fused=impl == "fused",
-                capturable=False,
-                differentiable=False,
-                amsgrad=amsgrad,
-                beta1=betas[0],
-                beta2=betas[1],
-                lr=lr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            ),
+            kwargs,
         )
     for i in stepped:
         states[i].step.add_(1)
+
+
+def _step_compiled(
+    stepped: list[int],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    states: Sequence[AdamState],
+    masters: Sequence[torch.Tensor | None],
+    remainders: Sequence[torch.Tensor | None],
+    grad_factors: Sequence[torch.Tensor],
+    scratch: StepScratch,
+    functional: Callable[..., None],
+    kwargs: dict[str, Any],
+) -> tuple[list[int], dict[int, int]]:
+    """Steps what the compiled kernels can step; returns the params left to the eager step
+    and, for those the compiled step began, the element the eager step continues from."""
+    left: list[int] = []
+    starts: dict[int, int] = {}
+    amsgrad = bool(kwargs["amsgrad"])
+    for i in stepped:
+        p, g, st, m, r = params[i], grads[i], states[i], masters[i], remainders[i]
+        assert g is not None  # only params with a gradient are stepped
+        moments = [mom for _, mom in st.moments()[: 3 if amsgrad else 2]]
+        source = "remainder" if r is not None else "master" if m is not None else "plain"
+        if not fused_eligible(p, g, moments, source):
+            left.append(i)
+            continue
+        with profiler_range("shardkit.compact.compiled"):
+            done = fused_param_step(
+                _flat(p, f"param {i}"),
+                _flat(g, f"grad {i}"),
+                [mom for mom in moments if isinstance(mom, CompactTensor)],
+                None if m is None else _flat(m, f"master {i}"),
+                None if r is None else _flat(r, f"remainder {i}"),
+                grad_factors,
+                st.step,
+                scratch.step_copies(st.step.device, 1)[0],
+                functional,
+                kwargs,
+            )
+        if done < p.numel():
+            left.append(i)
+            starts[i] = done
+    return left, starts
 
 
 def _step_batch(

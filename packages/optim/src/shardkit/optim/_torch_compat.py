@@ -40,6 +40,17 @@ instead of keeping copies).
   ``_master.py``); there is no public equivalent short of comparing values every step.
   ``tests/test_torch_compat.py::test_version_counter_pin`` pins what is relied on.
 
+* The torch-function mode stack (``torch._C._len_torch_function_stack``,
+  ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): the compiled compact step
+  runs its two compiled kernels with the thread's stack set aside (:func:`no_function_modes`),
+  because ``torch.compile`` traces an active mode's ``__torch_function__`` into its graph and
+  guards on the mode's state: a mode that counts its calls (shardkit-ddp's param-access guard,
+  on the stack after a ``step()`` of ``ShardedDataParallel``) would make every call recompile.
+  The kernels touch only the optimizer's own state and scratch, never what a mode watches for;
+  torch's Adam between them runs with the modes in place. There is no public way to set the
+  stack aside (``torch.overrides`` enters modes, it does not leave them).
+  ``tests/test_torch_compat.py::test_no_function_modes_sets_the_stack_aside`` pins it.
+
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
 inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
 and whose result becomes the optimizer's found-inf flags. ``ShardedGradScaler`` overrides it to
@@ -49,8 +60,9 @@ unscale master-weight gradients in fp32 (see [Note: Master weights]);
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +75,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "all_gather_single",
     "default_store",
+    "no_function_modes",
     "profiling",
     "push_function_mode",
     "queue_end_of_backward",
@@ -158,3 +171,16 @@ def remove_function_mode(mode: TorchFunctionMode) -> bool:
     for m in reversed(above):
         torch._C._push_on_torch_function_stack(m)  # noqa: SLF001 (pinned torch internal)
     return found
+
+
+@contextlib.contextmanager
+def no_function_modes() -> Iterator[None]:
+    """Runs the body with this thread's torch-function mode stack empty; restores it after."""
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:  # noqa: SLF001 (pinned torch internal)
+        modes.append(torch._C._pop_torch_function_stack())  # noqa: SLF001 (pinned torch internal)
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)  # noqa: SLF001 (pinned torch internal)

@@ -74,6 +74,8 @@ class LocalShards(ShardOwner):
             [Note: Compact state under ZeRO-1]), or ``None``.
         master_remainder: bf16 params' masters kept as int16 remainders (see [Note: Remainder
             masters under ZeRO-1]); needs ``master_dtype=torch.float32``.
+        compact_compile: Step compact moments with the compiled kernels (see [Note: Compiled
+            step, same bytes] in ``_compact_fused.py``).
     """
 
     name = "ShardedOptimizer"
@@ -92,6 +94,7 @@ class LocalShards(ShardOwner):
         carried: Mapping[int, Mapping[str, Any]],
         compact_state: str | None = None,
         master_remainder: bool = False,
+        compact_compile: bool = True,
     ) -> None:
         self.param_groups = param_groups
         self.layout = layout
@@ -120,7 +123,7 @@ class LocalShards(ShardOwner):
             for g, ps in zip(param_groups, local, strict=True)
         ]
         if compact_state is not None:
-            optim_cls = compact_class(optim_cls, compact_state)
+            optim_cls = compact_class(optim_cls, compact_state, compiled=compact_compile)
         self.optim: Optimizer = optim_cls(groups, **defaults)
         """The wrapped optimizer, on this rank's params (or their masters)."""
         entries: dict[int, dict[str, Any]] = {}

@@ -1,0 +1,355 @@
+"""The compiled compact step (``_compact_fused.py``) against the eager one, byte for byte.
+
+``compact_adam_step(compiled=True)`` must leave the same bytes as ``compiled=False`` (params,
+masters, remainders, codes, scale bits, step counts) for every option: int8 / int4, amsgrad,
+maximize, Adam's and AdamW's weight decay, single / foreach / fused, fp32 params, bf16 / fp16
+params with fp32 masters, bf16 params with int16 remainders, gradient factors, edge shapes
+(``()``, ``(1,)``, 0-size, a few elements, a block cut short, more than one compiled chunk) and
+special values (inf, NaN, signed zeros, subnormals). A second step must not compile again, a
+failed compilation must fall back to the eager step (logged once), and ``compiled=False``
+(``ShardedOptimizer(compact_compile=False)``) must not compile at all.
+
+The variants compiled here are few (each costs seconds, once per process): the structural
+options (formats, amsgrad, masters / remainders) are parametrized, everything else is drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardkit.optim import ShardedOptimizer
+from shardkit.optim import _compact_fused as fused
+from shardkit.optim._compact import CompactTensor
+from shardkit.optim._compact_optim import compact_class
+from shardkit.optim._compact_step import AdamState, StepScratch, compact_adam_step
+from shardkit.optim._remainder import split_master
+
+_SETTINGS = settings(
+    max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+_SHAPES = [(), (1,), (0,), (7,), (4096,), (4097,), (64, 70), (3, 1500), (fused.FUSED_CHUNK + 300,)]
+_IMPLS = ["single", "foreach", "fused"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (NaN payloads and signed zeros included)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _same_state(a: AdamState, b: AdamState) -> None:
+    assert torch.equal(a.step, b.step)
+    for (name, x), (_, y) in zip(a.moments(), b.moments(), strict=True):
+        if isinstance(x, CompactTensor):
+            assert isinstance(y, CompactTensor) and x.equal(y), name
+        else:
+            assert isinstance(y, torch.Tensor) and torch.equal(_bits(x), _bits(y)), name
+
+
+def _setup(
+    shapes: list[tuple[int, ...]], kinds: list[str | None], how: str, dtype: torch.dtype,
+    amsgrad: bool, impl: str, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    fp32 = [torch.randn(s, generator=g) for s in shapes]
+    out: dict[str, Any] = {"masters": None, "remainders": None}
+    if how == "plain":
+        out["params"] = fp32
+    elif how == "master":
+        out["params"] = [m.to(dtype) for m in fp32]
+        out["masters"] = [m.clone() for m in fp32]
+    else:
+        splits = [split_master(m) for m in fp32]
+        out["params"] = [p for p, _ in splits]
+        out["remainders"] = [r for _, r in splits]
+    out["states"] = [
+        AdamState.zeros(m, k, amsgrad=amsgrad, fused=impl == "fused")
+        for m, k in zip(fp32, kinds, strict=True)
+    ]
+    return out
+
+
+def _clone(run: dict[str, Any]) -> dict[str, Any]:
+    def c(xs: list[Any] | None) -> list[Any] | None:
+        return None if xs is None else [x.clone() for x in xs]
+
+    states = [
+        AdamState(
+            s.step.clone(),
+            *(m.clone() for _, m in s.moments()[:2]),
+            None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.clone(),
+        )
+        for s in run["states"]
+    ]
+    return {
+        "params": c(run["params"]),
+        "masters": c(run["masters"]),
+        "remainders": c(run["remainders"]),
+        "states": states,
+    }
+
+
+def _step_both(
+    run: dict[str, Any], grads: list[torch.Tensor | None], **kw: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One step of a copy with the eager step and one with the compiled step."""
+    eager, compiled = _clone(run), _clone(run)
+    for r, flag in ((eager, False), (compiled, True)):
+        compact_adam_step(
+            r["params"], grads, r["states"], masters=r["masters"], remainders=r["remainders"],
+            compiled=flag, scratch=StepScratch(), **kw,
+        )  # fmt: skip
+    return eager, compiled
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in ("params", "masters", "remainders"):
+        if a[key] is not None:
+            for i, (x, y) in enumerate(zip(a[key], b[key], strict=True)):
+                assert torch.equal(_bits(x), _bits(y)), (key, i, tuple(x.shape))
+    for x, y in zip(a["states"], b["states"], strict=True):
+        _same_state(x, y)
+
+
+def _grads(
+    shapes: list[tuple[int, ...]], g: torch.Generator, dtype: torch.dtype, p_unused: float
+) -> list[torch.Tensor | None]:
+    out: list[torch.Tensor | None] = []
+    for s in shapes:
+        used = torch.rand((), generator=g).item() >= p_unused
+        scale = 10.0 ** torch.randint(-4, 2, (), generator=g).item()
+        out.append((torch.randn(s, generator=g) * scale).to(dtype) if used else None)
+    return out
+
+
+@pytest.mark.parametrize(("kind", "amsgrad"), [("int8", False), ("int4", True)])
+@_SETTINGS
+@given(
+    shapes=st.lists(st.sampled_from(_SHAPES), min_size=1, max_size=3),
+    impl=st.sampled_from(_IMPLS),
+    adamw=st.booleans(),
+    maximize=st.booleans(),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+    lr=st.sampled_from([1e-3, 0.05]),
+    beta1=st.sampled_from([0.9, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_fp32_params_same_bytes(
+    kind: str, amsgrad: bool, shapes: list[tuple[int, ...]], impl: str, adamw: bool,
+    maximize: bool, weight_decay: float, lr: float, beta1: float, seed: int,
+) -> None:  # fmt: skip
+    run = _setup(shapes, [kind] * len(shapes), "plain", torch.float32, amsgrad, impl, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    hp = dict(
+        lr=lr, betas=(beta1, 0.99), eps=1e-8, weight_decay=weight_decay, amsgrad=amsgrad,
+        maximize=maximize, decoupled_weight_decay=adamw, impl=impl,
+    )  # fmt: skip
+    for _ in range(3):
+        eager, compiled = _step_both(run, _grads(shapes, g, torch.float32, 0.2), **hp)
+        _assert_same(eager, compiled)
+        run = eager
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+@pytest.mark.parametrize(
+    ("how", "dtype", "kinds", "n_factors"),
+    [
+        ("master", torch.bfloat16, ["int8", "int4", None], 2),
+        ("master", torch.float16, ["int8", "int4", None], 1),
+        ("remainder", torch.bfloat16, ["int8", "int4", None], 0),
+    ],
+)
+def test_masters_remainders_and_factors_same_bytes(
+    impl: str, how: str, dtype: torch.dtype, kinds: list[str | None], n_factors: int
+) -> None:
+    shapes = [(70, 100), (4097,), (33,)]
+    run = _setup(shapes, kinds, how, dtype, False, impl, seed=4)
+    factors = [torch.tensor(1 / 1024.0), torch.tensor(0.37)][:n_factors]
+    g = torch.Generator().manual_seed(5)
+    hp = dict(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False,
+        maximize=False, decoupled_weight_decay=True, impl=impl, grad_factors=factors,
+    )  # fmt: skip
+    for _ in range(3):
+        eager, compiled = _step_both(run, _grads(shapes, g, dtype, 0.2), **hp)
+        _assert_same(eager, compiled)
+        run = eager
+
+
+def test_special_values_same_bytes() -> None:
+    """inf and NaN gradients (poisoned blocks), huge and subnormal ones, signed zeros."""
+    n = 3 * 256 + 5
+    run = _setup([(n,)], ["int8"], "plain", torch.float32, False, "foreach", seed=6)
+    run["params"][0][:10] = -0.0
+    g = torch.randn(n) * 1e-3
+    g[0], g[1], g[300], g[301] = torch.inf, -torch.inf, torch.nan, 1e30
+    g[600:610] = 1e-42  # subnormal
+    g[610:620] = -0.0
+    for grads in ([g], [torch.randn(n)]):
+        eager, compiled = _step_both(
+            run, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+            amsgrad=False, maximize=False, decoupled_weight_decay=False, impl="foreach",
+        )  # fmt: skip
+        _assert_same(eager, compiled)
+        run = eager
+    assert torch.isnan(run["params"][0]).any()  # the poisoned blocks did poison
+
+
+def test_second_step_does_not_compile() -> None:
+    """A new learning rate, step count, param length and padded chunk reuse the kernels."""
+    kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True)
+    p = torch.randn(fused.FUSED_CHUNK + 1000)
+    st_ = AdamState.zeros(p, "int8")
+    compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True, **kw)
+    assert fused.compiled_unavailable() is None
+    misses = fused._compiled.cache_info().misses
+    q = torch.randn(3 * fused.FUSED_CHUNK - 4096)
+    sq = AdamState.zeros(q, "int8")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for lr in (2e-3, 5e-4):
+            compact_adam_step(
+                [p, q], [torch.randn_like(p), torch.randn_like(q)], [st_, sq], lr=lr,
+                compiled=True, **kw,
+            )  # fmt: skip
+    assert fused._compiled.cache_info().misses == misses
+    assert st_.step.item() == 3
+
+
+def test_failed_compilation_falls_back_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("no C++ compiler here")
+
+    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+        return broken, broken
+
+    monkeypatch.setattr(fused, "_compiled", kernels)
+    monkeypatch.setitem(fused._state, "unavailable", None)
+    run = _setup([(5000,), (300,)], ["int8", "int8"], "plain", torch.float32, False, "foreach", 7)
+    g = torch.Generator().manual_seed(8)
+    with caplog.at_level(logging.WARNING, logger="shardkit.optim"):
+        for _ in range(2):
+            eager, compiled = _step_both(
+                run, _grads([(5000,), (300,)], g, torch.float32, 0.0), lr=1e-3
+            )
+            _assert_same(eager, compiled)
+            run = eager
+    logged = [r for r in caplog.records if "compiled step is unavailable" in r.getMessage()]
+    assert len(logged) == 1 and "no C++ compiler here" in logged[0].getMessage()
+    assert fused.compiled_unavailable() is not None
+
+
+def test_compiled_false_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(variant: Any) -> Any:
+        raise AssertionError("compiled although compilation is off")
+
+    monkeypatch.setattr(fused, "_compiled", refuse)
+    w = torch.nn.Parameter(torch.randn(64, 80))
+    opt = compact_class(torch.optim.AdamW, "int8", compiled=False)([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert isinstance(opt.state[w]["exp_avg"], CompactTensor)
+    on = compact_class(torch.optim.AdamW, "int8")([w], lr=1e-3)
+    assert type(on).compiled_step and not type(opt).compiled_step  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="compact_compile must be a bool"):
+        ShardedOptimizer([w], torch.optim.AdamW, compact_state="int8", compact_compile="no")  # type: ignore[arg-type]
+
+
+def test_importing_compiles_nothing() -> None:
+    """No dynamo, no inductor until a compact step runs compiled."""
+    code = (
+        "import sys, torch, shardkit.optim\n"
+        "print(any(m.startswith(('torch._dynamo', 'torch._inductor')) for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_compile_options_pin() -> None:
+    """The inductor options the bytes rely on exist in this torch and are set as stated."""
+    import torch._inductor
+
+    known = set(torch._inductor.list_options())
+    assert set(fused.COMPILE_OPTIONS) <= known
+    assert fused.COMPILE_OPTIONS["cpp.enable_floating_point_contract_flag"] == "off"
+    assert fused.COMPILE_OPTIONS["cpp.enable_unsafe_math_opt_flag"] is False
+
+
+def test_active_function_mode_does_not_recompile() -> None:
+    """A torch-function mode on the stack whose state changes per call (as shardkit-ddp's
+    param-access guard counts its calls) neither recompiles the kernels nor sees their ops;
+    torch's Adam between them still runs through it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    p = torch.randn(2 * fused.FUSED_CHUNK + 5000)
+    st_ = AdamState.zeros(p, "int8")
+    compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True)
+    mode = Count()
+    with mode, torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(3):
+            compact_adam_step([p], [torch.randn_like(p)], [st_], lr=1e-3, compiled=True)
+    assert mode.calls > 0 and fused.compiled_unavailable() is None
+
+
+@pytest.mark.parametrize("failing", ["dequantize", "quantize"])
+@pytest.mark.parametrize("how", ["plain", "remainder"])
+def test_failure_after_a_chunk_continues_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failing: str, how: str
+) -> None:
+    """A compilation that fails at a later chunk (a recompilation refused, ...), in either
+    kernel: the chunks already stepped stay, the failed one and the rest end eagerly, same
+    bytes."""
+    real = fused._compiled
+    calls = {"n": 0}
+    kernels_of: dict[str, Callable[..., None]] = {}
+
+    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+        dequantize, quantize = real(variant)
+        kernels_of["dequantize"] = dequantize
+
+        def flaky(*args: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise RuntimeError("recompilation refused")
+            dequantize(*args)
+
+        def flaky_quantize(*args: Any) -> None:
+            if failing == "quantize" and calls["n"] > 1:
+                raise RuntimeError("recompilation refused")
+            quantize(*args)
+
+        return (flaky if failing == "dequantize" else counted), flaky_quantize
+
+    def counted(*args: Any) -> None:
+        calls["n"] += 1
+        kernels_of["dequantize"](*args)
+
+    monkeypatch.setattr(fused, "_compiled", kernels)
+    monkeypatch.setitem(fused._state, "unavailable", None)
+    shapes = [(2 * fused.FUSED_CHUNK + 700,)]
+    dtype = torch.float32 if how == "plain" else torch.bfloat16
+    run = _setup(shapes, ["int8"], how, dtype, False, "fused", 9)
+    g = torch.Generator().manual_seed(10)
+    with caplog.at_level(logging.WARNING, logger="shardkit.optim"):
+        eager, compiled = _step_both(run, _grads(shapes, g, dtype, 0.0), lr=1e-3, impl="fused")
+    _assert_same(eager, compiled)
+    assert calls["n"] == 2 and "recompilation refused" in caplog.text
