@@ -14,8 +14,10 @@ before cutting it), so shardkit never applies them to untrusted containers:
 - the allow-list unpickler accepts only flat dict keys and set items (atoms, validated
   ``torch.Size`` and ``MetadataIndex``), so building a dict never hashes or compares a deep
   structure (see [Note: Allow-list unpickling]);
-- non-tensor items decoded by torch's weights-only unpickler are first scanned for the size
-  their expansion would have and, once decoded, measured again object by object (``_scan.py``);
+- stored items are decoded by the same allow-list machine (never by ``torch.load``), whose
+  allowed calls are charged the size of their arguments against a budget of 64 units per
+  pickle byte, with at most 16 keys of one hash per container (see [Note: Hash flooding]);
+  a decoded non-tensor item is then measured object by object (``_scan.py``);
 - JSON records are parsed only below a fixed nesting depth, and their ints and lengths are
   bounded before use (``_records.py``).
 

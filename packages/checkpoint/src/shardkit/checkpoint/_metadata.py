@@ -212,16 +212,18 @@ def validate_metadata(md: Any, what: str) -> Metadata:
 #   the planner data is DCP's default ``{fqn: key path}``.
 # - Before any payload is read, every item is backed by bytes of its files (see [Note:
 #   Disk-backed sizes]).
-# - Before a tensor's bytes reach ``torch.load``, they are checked against their saved CRC-32
-#   when the checkpoint has one (a shardkit commit record), and to be a zip of uncompressed
-#   records none larger than the slice whose pickle (read with ``pickletools``, nothing built)
-#   names no integer larger than the tensor's bytes: ``torch.load`` allocates what that pickle
-#   declares before it reads. DCP itself then loads each tensor with ``weights_only=True``.
-# - A non-tensor item (DCP writes Python objects as ``torch.save`` blobs and reads them back
-#   with ``weights_only=False``) is checked against its CRC-32, scanned for the size of its
-#   expansion (``_scan.py``), decoded with ``weights_only=True`` on the very bytes DCP will
-#   decode (anything outside torch's weights-only allow-list raises) and measured again once
-#   decoded. ``allow_pickle=True`` turns the weights-only decode off (for trusted checkpoints).
+# - Every file is opened below the directory the user named without following a link (see
+#   [Note: No path leaves the checkpoint]), and the chunks of each tensor tile it exactly (see
+#   [Note: Exact tiling]).
+# - No stored byte reaches ``torch.load`` (see [Note: One decoder for stored items]). Before
+#   anything is copied into the destination, every item this rank reads is checked: its CRC-32
+#   when the checkpoint has one (a shardkit commit record), then its ``torch.save`` zip and its
+#   pickle decoded by shardkit's allow-list (tensors on the meta device: nothing allocated).
+#   Then each item is read once more, checked against its CRC-32 again and decoded from those
+#   very bytes: a tensor chunk as a view of them (of the declared dtype and sizes), copied into
+#   the destination; a non-tensor value measured (``_scan.py``) and handed to DCP's planner as a
+#   ``torch.save`` shardkit writes from the decoded plain data. ``allow_pickle=True`` hands the
+#   stored bytes of non-tensor values to the planner as they are (for trusted checkpoints).
 #
 # None of this compares the checkpoint with the destination: the caller's state dict does (DCP
 # copies into the tensors it holds; ``shardkit.checkpoint.load`` checks every entry against it

@@ -8,8 +8,9 @@ of pickle's opcodes written here, in Python, that
 
 - knows only the data opcodes (constants, lists, tuples, dicts, sets, the memo, frames) and
   ``GLOBAL`` / ``STACK_GLOBAL`` / ``REDUCE`` / ``NEWOBJ`` / ``BUILD``; anything else (``INST``,
-  ``OBJ``, extensions, persistent ids, out-of-band buffers) raises at its byte offset;
-- resolves a global only from the table ``_GLOBALS`` (DCP's metadata classes, torch dtypes,
+  ``OBJ``, extensions, out-of-band buffers, and persistent ids unless the caller resolves them:
+  the storages of a stored item, see ``_payload.py``) raises at its byte offset;
+- resolves a global only from a table (here DCP's metadata classes, torch dtypes,
   layouts, ``torch.Size``, pure paths), *before* importing or building anything: a global
   outside it raises naming it, so no object of an unknown class is ever created;
 - never calls the resolved globals directly: each entry of the table is a constructor written
@@ -19,8 +20,10 @@ of pickle's opcodes written here, in Python, that
   cannot make it allocate more than the size of the file;
 - does work linear in the file (see [Note: Bounded work on untrusted input]): every opcode
   builds at most one object, dict keys and set items must be flat (str, bytes, numbers, None,
-  dtypes, layouts, a checked ``torch.Size`` or ``MetadataIndex``: nothing whose hash or
-  equality walks a nested structure), ``BUILD`` runs once per object, and error messages
+  dtypes, layouts, a checked ``torch.Size`` or ``MetadataIndex``, flat tuples of those:
+  nothing whose hash or equality walks a nested structure; at most ``MAX_SHARED_HASH`` of one
+  hash per container, see [Note: Hash flooding]), allowed calls are charged the size of their
+  arguments against :func:`work_budget`, ``BUILD`` runs once per object, and error messages
   describe what they quote with :func:`describe`, never with ``repr``.
 
 The result is then checked field by field (``_metadata.validate_metadata``). The table names
