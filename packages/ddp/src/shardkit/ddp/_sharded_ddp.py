@@ -24,7 +24,7 @@ from shardkit.ddp._checks import (
     optimizers_of,
 )
 from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
+from shardkit.ddp._module_copy import _Hook, drop_deepcopy_plain, make_deepcopy_plain
 from shardkit.ddp._profiling import phase
 from shardkit.optim import (
     CommStats,
@@ -205,6 +205,7 @@ class ShardedDataParallel(nn.Module):
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
         self._no_sync = False
+        self._closed = False  # See [Note: Closing the wrapper]
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         options = EngineOptions(
             wire_dtype=given.wire_dtype,
@@ -365,6 +366,12 @@ class ShardedDataParallel(nn.Module):
             RuntimeError: in training with grad enabled, a param's ``.grad`` requires grad
                 (double backward, ``create_graph=True``), which sharded gradients do not support.
         """
+        if self._closed:
+            raise RuntimeError(
+                "ShardedDataParallel.forward(): this wrapper was closed (close() or the end of "
+                "its with block); call the module itself (ddp.module) for inference, or build "
+                "a new ShardedOptimizer and ShardedDataParallel to train again"
+            )
         if self.training and torch.is_grad_enabled():
             for b in self._buckets:
                 for p in b.params:
@@ -475,6 +482,39 @@ class ShardedDataParallel(nn.Module):
         is seen: from another thread, through a raw pointer or a C++ extension.
         """
         self._engine.wait_params()
+
+    # [Note: Closing the wrapper]
+    # The wrapper's hold on the user's module and the torch-function mode stack ends at
+    # ``close()`` (or the end of a ``with`` block), or when the wrapper and its optimizers are
+    # collected (shardkit-optim's [Note: The window belongs to the wrapper]). ``close()`` waits
+    # for the pending param gathers (the guard leaves the stack), removes every hook the
+    # wrapper put on the module and its params and the ``.grad`` placeholders, and leaves the
+    # module a plain module holding the trained params (still views of the flat buffers, which
+    # the module keeps alive). It never touches the user's process group. After it the
+    # wrapper's forward and its optimizers' ``step()`` raise.
+    def close(self) -> None:
+        """Ends the wrapper's hold on the module: waits for the param gathers in flight,
+        removes its hooks and ``.grad`` placeholders. Local; idempotent; the process group is
+        the user's and stays. See [Note: Closing the wrapper].
+
+        Raises:
+            RuntimeError: called inside a backward pass.
+        """
+        if self._closed:
+            return
+        self._engine.close()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for sub in self.module.modules():
+            drop_deepcopy_plain(sub)
+        self._closed = True
+
+    def __enter__(self) -> ShardedDataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._engine.before_forward(module)

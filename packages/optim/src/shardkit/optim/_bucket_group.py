@@ -47,6 +47,7 @@ from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
+from shardkit.optim._relink import moved_params, relink
 from shardkit.optim._shard_state import (
     ParkedState,
     checkpoint_part,
@@ -108,6 +109,8 @@ class BucketGroup(ShardOwner):
         self.last_closure_loss: Any = None
         self.closure_order = -1
         """When the closure of ``last_closure_loss`` ran (orders the wrapper's groups)."""
+        self.closed = False
+        """Whether the wrapper was closed (``Zero2Engine.close``)."""
         self._lay_out(buckets, module, where)
 
     def rebuild(self, buckets: list[FlatBucket], module: nn.Module, where: ParamMap) -> None:
@@ -120,6 +123,8 @@ class BucketGroup(ShardOwner):
         self.buckets = buckets
         self.where = where
         """The layout's param map (read only; a param is in it iff it was trainable)."""
+        self.shapes = {id(p): p.shape for b in buckets for p in b.params}
+        """Each bucketed param's shape in the layout ([Note: Params that left their bucket])."""
         self.life = GroupLife(f"{NAME} (optimizer {self.index})", buckets)
         """The group's state machine: see [Note: Bucket group state]."""
         self.stepper = ShardStepper(
@@ -262,6 +267,12 @@ class BucketGroup(ShardOwner):
                 f"(the local step runs the wrapped optimizer class on the shards), got "
                 f"{sorted(kwargs)}"
             )
+        if self.closed:
+            raise RuntimeError(
+                f"{self.opt.__class__.__name__}.step(): the ShardedDataParallel that drives this "
+                f"optimizer was closed (close() or the end of its with block); build a new "
+                f"ShardedOptimizer and ShardedDataParallel to train again"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -272,6 +283,7 @@ class BucketGroup(ShardOwner):
             # moves (shardkit-optim's [Note: Call agreement]).
             self.opt.check_step(self._trainable_error())
             self.wait_params()
+            self.relink_moved()
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
             with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
@@ -329,6 +341,18 @@ class BucketGroup(ShardOwner):
             if own:
                 out[sub] = own
         return out
+
+    def close(self) -> None:
+        """The wrapper was closed: ``step()`` raises from now on."""
+        self.closed = True
+
+    def relink_moved(self) -> None:
+        """Puts the params whose storage was replaced back into their buckets, with their
+        new values (no gather pending). See [Note: Params that left their bucket] in
+        ``shardkit.optim._relink``."""
+        moved = moved_params(self.buckets)
+        if moved:
+            relink(moved, self.shapes, self.stepper.reseed)
 
     def wait_params(self) -> None:
         """Waits for the group's param all-gathers still in flight."""

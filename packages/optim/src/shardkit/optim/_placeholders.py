@@ -51,8 +51,16 @@ class _ReducedGrad(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "__get__" or name in _METADATA:  # property getters and metadata methods
+        if name in ("__get__", "__set__") or name in _METADATA:  # properties and metadata
             return cast(Any, super()).__torch_function__(func, types, args, kwargs)
+        if name in _CONVERSIONS and args and isinstance(args[0], _ReducedGrad):
+            # model.double() / .to(...) convert every .grad: a placeholder of the new dtype
+            # and device (a 0-d zero converted, then expanded: no memory)
+            zero = torch.zeros((), dtype=args[0].dtype, device=args[0].device)
+            out = cast(Any, super()).__torch_function__(func, types, (zero, *args[1:]), kwargs)
+            if isinstance(out, torch.Tensor):
+                new = torch.zeros((), dtype=out.dtype, device=out.device)
+                return new.expand(args[0].shape).as_subclass(_ReducedGrad)
         if name in _NO_OPS:  # what zero_grad(set_to_none=False) calls on a .grad
             return args[0] if args else None
         if name == "_foreach_zero_":  # torch.optim's zero_grad(set_to_none=False), foreach
@@ -91,8 +99,10 @@ METADATA_READS = frozenset(
 )
 """Tensor methods that read a tensor's metadata, never its values (shared with the param-access
 guard, ``shardkit.optim._guard``)."""
-_METADATA = METADATA_READS | {"untyped_storage", "data_ptr"}
-_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
+_METADATA = METADATA_READS | {"untyped_storage", "data_ptr", "_has_compatible_shallow_copy_type"}
+_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_", "share_memory_"))
+_CONVERSIONS = frozenset(("to", "type", "double", "float", "half", "bfloat16", "cpu", "cuda"))
+"""Dtype / device conversions (``nn.Module._apply`` runs them on every ``.grad``)."""
 
 
 def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:

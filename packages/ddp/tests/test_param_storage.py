@@ -1,0 +1,186 @@
+"""Param idioms around ``step()`` that replace or move a param's storage, against torch DDP.
+
+``p.data = t``, a dtype round trip, ``vector_to_parameters`` (see shardkit-optim's [Note:
+Params that left their bucket]), ``share_memory()`` (the guard's spans follow the buckets:
+[Note: Param access guard]), and ``optimizer.state`` under ZeRO-2. Each runs at world 2 over
+Gloo with AdamW (foreach), several bucket sizes, both param-gather modes, and compares the
+params after the loop with DDP + AdamW bit for bit (a sum of two values does not depend on the
+order, and both scale by 1/2: the same bits).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from shardkit.ddp import ShardedDataParallel
+from shardkit.optim import ParamStorageError, ShardedOptimizer
+from shardkit.testing import world
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _set_data(m: nn.Module) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.data = p.data * 0.5 + 0.01
+
+
+def _round_trip(m: nn.Module) -> None:
+    m.double()
+    m.float()
+
+
+def _vector(m: nn.Module) -> None:
+    vec = nn.utils.parameters_to_vector(m.parameters())
+    nn.utils.vector_to_parameters(vec * 0.9, m.parameters())
+
+
+def _clone(m: nn.Module) -> None:
+    for p in m.parameters():
+        p.data = p.data.clone()
+
+
+def _share(m: nn.Module) -> None:
+    m.share_memory()
+
+
+def _read_after(m: nn.Module) -> None:
+    pass
+
+
+_IDIOMS: dict[str, Callable[[nn.Module], None]] = {
+    "set_data": _set_data,
+    "round_trip": _round_trip,
+    "vector_to_parameters": _vector,
+    "clone": _clone,
+    "share_memory": _share,
+}
+
+
+class _AllReduce(nn.Module):
+    """DDP's arithmetic by hand (grads halved, then summed: DDP's bits). The reference for
+    the dtype round trip, after which torch DDP itself stops averaging the new params'
+    gradients (its reducer keeps the old ones: measured on torch 2.13, 9e-3 after one step)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(_all_reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)  # type: ignore[no-any-return]
+
+
+def _all_reduce(p: torch.Tensor) -> None:
+    assert p.grad is not None
+    p.grad.div_(dist.get_world_size())
+    dist.all_reduce(p.grad)
+
+
+def _train(
+    idiom: str, where: str, bucket: int | None, overlap: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ref_m = _model()
+    m = copy.deepcopy(ref_m)
+    ref: nn.Module = DDP(ref_m) if idiom != "round_trip" else _AllReduce(ref_m)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=bucket, overlap_param_gather=overlap)
+    act = _IDIOMS[idiom]
+    for step in range(5):
+        x, y = _batch(step)
+        for model, o, mod in ((ref, ref_opt, ref_m), (sdp, opt, m)):
+            if step == 2 and where == "before_forward":
+                act(mod)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if step == 2 and where == "before_step":
+                act(mod)
+            o.step()
+            if step in (1, 3) and where == "after_step":
+                act(mod)  # with the gathers pending
+            o.zero_grad()
+    # what the user reads: every param (through the guard) and the next forward's output
+    x, _ = _batch(9)
+    with torch.no_grad():
+        outs = [ref(x), sdp(x)]
+    return [p.detach().clone() for p in ref_m.parameters()] + [outs[0]], [
+        p.detach().clone() for p in m.parameters()
+    ] + [outs[1]]
+
+
+@pytest.mark.parametrize("idiom", sorted(_IDIOMS))
+@pytest.mark.parametrize("where", ["after_step", "before_forward", "before_step"])
+@pytest.mark.parametrize("bucket", [0, 40, None])
+@world(2)
+def test_replaced_storage_keeps_training_as_ddp(idiom: str, where: str, bucket: int | None) -> None:
+    """DDP keeps training after the idiom; so does ShardedDataParallel, bit for bit."""
+    ref, got = _train(idiom, where, bucket, overlap=True)
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("idiom", ["set_data", "round_trip", "vector_to_parameters"])
+@world(2)
+def test_replaced_storage_without_overlap(idiom: str) -> None:
+    ref, got = _train(idiom, "after_step", 40, overlap=False)
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+@world(2)
+def test_replaced_storage_keeps_the_optimizer_state_and_masters() -> None:
+    """With bf16 params and fp32 masters the master takes the new value; Adam's moments stay."""
+    torch.manual_seed(0)
+    m = _model().to(torch.bfloat16)
+    opt = ShardedOptimizer(
+        m.parameters(), optim=torch.optim.AdamW, lr=1e-2, master_dtype=torch.float32
+    )
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=40)
+    for step in range(3):
+        x, y = _batch(step)
+        nn.functional.mse_loss(sdp(x.bfloat16()), y.bfloat16()).backward()
+        opt.step()
+        opt.zero_grad()
+    before = {k: dict(v) for k, v in enumerate(opt.state.values())}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.data = torch.full_like(p, 0.25)
+    x, y = _batch(5)
+    nn.functional.mse_loss(sdp(x.bfloat16()), y.bfloat16()).backward()
+    opt.step()
+    for k, v in enumerate(opt.state.values()):
+        assert int(v["step"]) == int(before[k]["step"]) + 1
+    # every param moved from 0.25 by at most ~lr: the master took the new value
+    for p in m.parameters():
+        assert (p.float() - 0.25).abs().max() < 0.05
+
+
+@world(2)
+def test_a_param_whose_dtype_stays_changed_is_refused() -> None:
+    """``model.double()`` alone would train in fp64 under DDP: refused on every rank."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt)
+    x, y = _batch(0)
+    nn.functional.mse_loss(sdp(x), y).backward()
+    opt.step()
+    m.double()
+    nn.functional.mse_loss(sdp(x.double()), y.double()).backward()
+    with pytest.raises(ParamStorageError, match="laid out as"):
+        opt.step()

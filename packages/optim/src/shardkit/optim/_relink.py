@@ -1,0 +1,118 @@
+"""Params whose storage left their bucket: found before the next step and put back.
+
+[Note: Params that left their bucket]
+Under ZeRO-2 every trainable param is a view of its bucket's flat buffer ([Note:
+Owner-contiguous buckets] in ``shardkit.optim._flat``): the local step writes the buffer and the
+all-gather fills it. Some user code replaces a param's storage instead of writing into it:
+``p.data = t``, ``model.double(); model.float()`` (``nn.Module._apply`` sets ``p.data``),
+``torch.nn.utils.vector_to_parameters``, ``p.data = p.data.clone()``. The param then reads the
+new tensor while the optimizer goes on updating the bucket, and training would silently stop.
+Under DDP the same code keeps training: the optimizer holds the same ``Parameter`` object and
+steps whatever storage it has.
+
+So before every local step (after the step has waited for the param gathers, so nothing writes
+the bucket), the owner of the buckets checks each param's storage: its ``data_ptr()`` must be
+its offset in the flat buffer (one pointer comparison per param, a few microseconds for a
+hundred params). A param that moved is *re-linked*: its current values (the user's, as DDP's
+optimizer would step them) are copied into its range of the flat buffer and ``p.data`` is set
+back to that view, in its bucket's dtype; its ``Parameter`` object, hooks and optimizer state
+are untouched, and a master copy (``master_dtype``) takes the new values, as the master of a
+param written in place does ([Note: Params written outside the optimizer]). Each relink is
+logged once per process. A param whose new storage cannot go back (another shape, a
+non-floating dtype, another device: ``model.double()`` without ``.float()`` again) raises
+:class:`ParamStorageError` on that rank, naming the param, what changed and how to fix it.
+
+The check needs no collective: a replacement that DDP users make on every rank alike is
+re-linked on every rank alike. A new ``Parameter`` object in the module
+(``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) is a different
+case: the optimizer still holds the old one, under DDP as here. It is refused at the next
+training forward with :class:`ParamStorageError` (see ``shardkit.ddp``'s ``forward``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from shardkit.optim._flat import FlatBucket
+
+__all__ = ["ParamStorageError", "moved_params", "relink"]
+
+logger = logging.getLogger("shardkit.optim")
+_logged = False
+
+
+class ParamStorageError(RuntimeError):
+    """A param wrapped by ``ShardedDataParallel`` changed in a way its bucket cannot follow.
+
+    Raised when a param's storage was replaced by a tensor of another shape, device or dtype,
+    or when the module holds a new ``Parameter`` object in place of a
+    wrapped one (``load_state_dict(assign=True)``). See [Note: Params that left their bucket].
+    """
+
+
+def moved_params(
+    buckets: Sequence[FlatBucket],
+) -> list[tuple[FlatBucket, int]]:
+    """``(bucket, position)`` of every param that is no longer the view of its bucket's flat
+    buffer it was laid out as (call with no param gather pending on these buckets: the check
+    reads ``data_ptr()``, which the param-access guard would wait on)."""
+    out: list[tuple[FlatBucket, int]] = []
+    for b in buckets:
+        base, size, dtype = b.flat.data_ptr(), b.flat.element_size(), b.flat.dtype
+        for i, p in enumerate(b.params):
+            if p.dtype is not dtype or (
+                p.numel() > 0 and p.data_ptr() != base + b.offsets[i] * size
+            ):
+                out.append((b, i))
+    return out
+
+
+def relink(
+    moved: Sequence[tuple[FlatBucket, int]],
+    shapes: dict[int, torch.Size],
+    reseed: Callable[[torch.Tensor], None],
+) -> None:
+    """Copies each moved param's values into its range of the flat buffer and points it back
+    there; ``reseed(param)`` then refreshes its master. See [Note: Params that left their
+    bucket].
+
+    Args:
+        moved: What :func:`moved_params` returned.
+        shapes: ``id(param)`` -> its shape when the layout was built.
+        reseed: Called with each re-linked param.
+
+    Raises:
+        ParamStorageError: a param's new storage has another shape, device or a non-floating
+            dtype (raised before any param is re-linked).
+    """
+    for b, i in moved:
+        p = b.params[i]
+        shape = shapes[id(p)]
+        if p.shape != shape or p.device != b.device or p.dtype != b.dtype:
+            raise ParamStorageError(
+                f"a param wrapped by ShardedDataParallel (bucket {b.index}, position {i}) now "
+                f"has shape {tuple(p.shape)}, {p.dtype} on {p.device}; it was laid out as "
+                f"shape {tuple(shape)}, {b.dtype} on {b.device}. Its storage was replaced "
+                f"(p.data = t, model.to(...), model.double()) by a tensor the bucket cannot "
+                f"hold. Replace it with a tensor of the same shape and device (a dtype round "
+                f"trip such as model.double(); model.float() is fine), or build a new "
+                f"ShardedOptimizer and ShardedDataParallel around the changed model"
+            )
+    global _logged
+    with torch.no_grad():
+        for b, i in moved:
+            p = b.params[i]
+            view = b.flat[b.offsets[i] : b.offsets[i] + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+            reseed(p)
+    if moved and not _logged:
+        _logged = True
+        logger.info(
+            "ShardedDataParallel: %d param(s) whose storage was replaced (p.data = t, a dtype "
+            "round trip, vector_to_parameters) were copied back into their buckets before the "
+            "step, as DDP would step them ([Note: Params that left their bucket]); logged once",
+            len(moved),
+        )
