@@ -157,7 +157,8 @@ def test_replaced_storage_keeps_the_optimizer_state_and_masters() -> None:
         nn.functional.mse_loss(sdp(x.bfloat16()), y.bfloat16()).backward()
         opt.step()
         opt.zero_grad()
-    before = {k: dict(v) for k, v in enumerate(opt.state.values())}
+    before = {k: int(v["step"]) for k, v in enumerate(opt.state.values())}
+    assert before
     with torch.no_grad():
         for p in m.parameters():
             p.data = torch.full_like(p, 0.25)
@@ -165,7 +166,7 @@ def test_replaced_storage_keeps_the_optimizer_state_and_masters() -> None:
     nn.functional.mse_loss(sdp(x.bfloat16()), y.bfloat16()).backward()
     opt.step()
     for k, v in enumerate(opt.state.values()):
-        assert int(v["step"]) == int(before[k]["step"]) + 1
+        assert int(v["step"]) == before[k] + 1
     # every param moved from 0.25 by at most ~lr: the master took the new value
     for p in m.parameters():
         assert (p.float() - 0.25).abs().max() < 0.05
@@ -184,3 +185,145 @@ def test_a_param_whose_dtype_stays_changed_is_refused() -> None:
     nn.functional.mse_loss(sdp(x.double()), y.double()).backward()
     with pytest.raises(ParamStorageError, match="laid out as"):
         opt.step()
+
+
+@pytest.mark.parametrize("auto_refresh", [True, False])
+@world(2)
+def test_new_parameter_objects_are_refused(auto_refresh: bool) -> None:
+    """``load_state_dict(assign=True)`` puts new Parameter objects in the module, which the
+    optimizer does not hold (DDP would not train them either): refused at the next training
+    forward, on every rank, with what happened and the fix."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, auto_refresh_trainable=auto_refresh)
+    x, y = _batch(0)
+    nn.functional.mse_loss(sdp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(state, assign=True)
+    with pytest.raises(ParamStorageError, match=r"new Parameter objects .*assign=True"):
+        sdp(x)
+
+
+def _numel(t: object) -> int:
+    """Elements of a state tensor, plain or compact (codes and scales, as stored)."""
+    return t.numel() if isinstance(t, torch.Tensor) else int(t.numel)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bucket", [0, 40, None])
+@pytest.mark.parametrize("compact", [None, "int8"])
+@world(2)
+def test_optimizer_state_shows_this_ranks_shard(bucket: int | None, compact: str | None) -> None:
+    """``optimizer.state`` after a ZeRO-2 step: one entry per param with a piece here, whose
+    tensors are the live state the next step updates; together the ranks hold every element
+    of every param's state once (the consolidated dict's)."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2, compact_state=compact)
+    assert not opt.state
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=bucket)
+    for step in range(2):
+        x, y = _batch(step)
+        nn.functional.mse_loss(sdp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.state  # the flag of [Note: State truthiness]
+    params = list(m.parameters())
+    assert len(opt.state) > 0 and all(any(p is q for q in params) for p in opt.state)
+    for p, st in opt.state.items():
+        assert int(st["step"]) == 2
+        assert p in opt.state
+    mine = sum(_numel(st["exp_avg"]) for st in opt.state.values())
+    total = torch.tensor([mine])
+    dist.all_reduce(total)
+    if compact is None:
+        assert int(total) == sum(p.numel() for p in params)
+        # live: the next step updates the tensors shown
+        shown = {id(p): st["exp_avg"] for p, st in opt.state.items()}
+        before = {k: v.clone() for k, v in shown.items()}
+        x, y = _batch(3)
+        nn.functional.mse_loss(sdp(x), y).backward()
+        opt.step()
+        assert any(not torch.equal(shown[k], before[k]) for k in shown)
+        assert all(shown[id(p)] is st["exp_avg"] for p, st in opt.state.items())
+
+
+@pytest.mark.parametrize("target", ["module", "wrapper"])
+@world(2)
+def test_a_compiled_eval_between_step_and_zero_grad_runs_as_under_ddp(target: str) -> None:
+    """``torch.compile`` (AOT eager: no code generation on this box) of an eval between
+    ``step()`` and ``zero_grad()``: the fake-tensor conversion reads every ``.grad``'s
+    metadata, which the placeholders let through; the outputs equal DDP's bit for bit."""
+    ref_m = _model()
+    m = copy.deepcopy(ref_m)
+    ref = DDP(ref_m)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=40)
+    compiled_ref = torch.compile(ref_m, backend="aot_eager")
+    compiled = torch.compile(m if target == "module" else sdp, backend="aot_eager")
+    for step in range(3):
+        x, y = _batch(step)
+        for model, o in ((ref, ref_opt), (sdp, opt)):
+            model.train()
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+        ref_m.eval()
+        sdp.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), compiled_ref(x), rtol=0, atol=0)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+
+
+@world(2)
+def test_the_placeholder_error_says_what_to_do_for_the_op() -> None:
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt)
+    x, y = _batch(0)
+    nn.functional.mse_loss(sdp(x), y).backward()
+    grad = next(m.parameters()).grad
+    assert grad is not None
+    with pytest.raises(RuntimeError, match=r"no_sync\(\).*optimizer\.zero_grad\(\) first"):
+        grad.sum()
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("bucket", [0, 40, None])
+@world(2)
+def test_torch_func_after_step_reads_the_gathered_params(bucket: int | None) -> None:
+    """``torch.func.grad_and_value`` over ``dict(model.named_parameters())`` right after
+    ``step()`` (gathers in flight): the functorch wrappers are unwrapped to the params'
+    storage, so the value and the gradients equal DDP's bit for bit."""
+    ref_m = _model()
+    m = copy.deepcopy(ref_m)
+    ref = DDP(ref_m)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=bucket)
+    for step in range(3):
+        x, y = _batch(step)
+        got = []
+        for model, o, mod in ((ref, ref_opt, ref_m), (sdp, opt, m)):
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+
+            def loss(
+                params: dict[str, torch.Tensor], x: torch.Tensor = x, y: torch.Tensor = y
+            ) -> torch.Tensor:
+                h = torch.tanh(nn.functional.linear(x, params["0.weight"], params["0.bias"]))
+                h = torch.tanh(nn.functional.linear(h, params["2.weight"], params["2.bias"]))
+                out = nn.functional.linear(h, params["4.weight"], params["4.bias"])
+                return nn.functional.mse_loss(out, y)
+
+            named = dict(mod.named_parameters())
+            got.append(torch.func.grad_and_value(loss)(named))
+            o.zero_grad()
+        (ref_g, ref_v), (g, v) = got
+        torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
+        for k in ref_g:
+            torch.testing.assert_close(g[k], ref_g[k], rtol=0, atol=0)

@@ -12,6 +12,7 @@ import gc
 import weakref
 
 import pytest
+import shardkit.optim._guard as guard_module
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel
@@ -36,6 +37,18 @@ def _depth() -> int:
     return len(_get_current_function_mode_stack())
 
 
+def _clean_depth() -> int:
+    """The stack's depth once an earlier test of this reused worker left nothing behind (its
+    wrappers collected, the guard settled)."""
+    gc.collect()
+    guard = getattr(guard_module._local, "guard", None)
+    if guard is not None:
+        for gather in guard.gathers:
+            gather.wait_all()
+    guard_module.settle()
+    return _depth()
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
     for step in range(steps):
         x, y = _batch(step)
@@ -51,7 +64,7 @@ def test_a_finished_model_is_collected_and_the_stack_restored(bucket: int | None
     """After the last ``step()`` (gathers in flight), ``del`` + ``gc.collect()`` frees the
     model, the optimizer and the wrapper, and the mode stack is back to its depth before
     wrapping, with no other call."""
-    depth = _depth()
+    depth = _clean_depth()
     m = _model()
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=bucket)
@@ -73,7 +86,7 @@ def test_close_ends_the_window_and_keeps_the_trained_params(bucket: int | None) 
     """``with ShardedDataParallel(...)``: at the end of the block the gathers are waited for,
     the guard is off the stack, the module is plain (no hooks of the wrapper, no
     placeholders) and holds DDP's params; the process group stays."""
-    depth = _depth()
+    depth = _clean_depth()
     ref_m = _model()
     m = copy.deepcopy(ref_m)
     ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
@@ -105,7 +118,7 @@ def test_close_ends_the_window_and_keeps_the_trained_params(bucket: int | None) 
 def test_the_guard_leaves_once_the_gathers_are_waited_for() -> None:
     """The guard is on the stack only while a gather is pending: ``wait_params()`` or a
     forward ends it."""
-    depth = _depth()
+    depth = _clean_depth()
     m = _model()
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -30,6 +31,7 @@ from shardkit.optim import (
     CommStats,
     EngineOptions,
     FlatBucket,
+    ParamStorageError,
     ShardedOptimizer,
     Zero2Engine,
     build_flat_buckets,
@@ -206,6 +208,8 @@ class ShardedDataParallel(nn.Module):
         check_consistent(params, group=self.group)
         self._no_sync = False
         self._closed = False  # See [Note: Closing the wrapper]
+        self._module_params = {id(p): weakref.ref(p) for p in module.parameters()}
+        """The module's params at construction (a later new object is refused)."""
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         options = EngineOptions(
             wire_dtype=given.wire_dtype,
@@ -381,10 +385,10 @@ class ShardedDataParallel(nn.Module):
                             f"(double backward / create_graph=True): ShardedDataParallel reduces "
                             f"detached gradients; use torch DDP for higher-order gradients"
                         )
-            if self.auto_refresh_trainable and self._engine.trainable_changed(
-                self.module.parameters()
-            ):
-                self.refresh_trainable()  # See [Note: Trainable refresh]
+            if self._engine.trainable_changed(self.module.parameters()):
+                self._refuse_new_params()
+                if self.auto_refresh_trainable:
+                    self.refresh_trainable()  # See [Note: Trainable refresh]
         self._engine.forward_started()  # forgets a backward that raised before its end
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self._sync_buffers_next:
@@ -395,6 +399,25 @@ class ShardedDataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         return out
+
+    def _refuse_new_params(self) -> None:
+        """Raises if the module holds a ``Parameter`` it did not hold when wrapped (shardkit-optim's
+        [Note: Params that left their bucket]: a new object is refused, not re-linked)."""
+        known = self._module_params
+        new = [
+            name
+            for name, p in self.module.named_parameters()
+            if (ref := known.get(id(p))) is None or ref() is not p
+        ]
+        if new:
+            raise ParamStorageError(
+                f"the module holds new Parameter objects that the wrapped optimizer does not "
+                f"know: {new[:5]} (load_state_dict(assign=True), or an attribute assigned a new "
+                f"nn.Parameter, after ShardedDataParallel was built); they would not be trained "
+                f"(under DDP neither). Load values in place (load_state_dict() without "
+                f"assign=True, or p.data = t / p.copy_(t): those are re-linked), or build a new "
+                f"ShardedOptimizer and ShardedDataParallel around the module"
+            )
 
     # [Note: Trainable refresh]
     # The bucket layout holds the params that were trainable when it was built. A change of

@@ -31,7 +31,7 @@ written only by that state machine's transitions (see [Note: Bucket group state]
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
-from shardkit.optim._relink import moved_params, relink
+from shardkit.optim._relink import relink
 from shardkit.optim._shard_state import (
     ParkedState,
     checkpoint_part,
@@ -350,7 +350,7 @@ class BucketGroup(ShardOwner):
         """Puts the params whose storage was replaced back into their buckets, with their
         new values (no gather pending). See [Note: Params that left their bucket] in
         ``shardkit.optim._relink``."""
-        moved = moved_params(self.buckets)
+        moved = [(b, i) for b in self.buckets for i in b.moved()]
         if moved:
             relink(moved, self.shapes, self.stepper.reseed)
 
@@ -401,6 +401,15 @@ class BucketGroup(ShardOwner):
         self.stepper.drop_factors()
 
     # ------------------------------------------------------------------ ShardOwner: state
+    def shard_state(self) -> Mapping[torch.Tensor, dict[str, Any]]:
+        """This rank's live state of each param with a piece here (see shardkit-optim's
+        [Note: Optimizer state under ZeRO-2] in ``shardkit.optim._state``)."""
+        local = self.stepper.local
+        if local is None:
+            return {}
+        state = local.state
+        return {e.param: state[e.opt] for e in self.stepper.all_entries() if e.opt in state}
+
     def full_state_dict(
         self, recipient_rank: int = -1, skip: Set[int] = frozenset()
     ) -> dict[str, Any]:

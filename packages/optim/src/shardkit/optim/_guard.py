@@ -50,10 +50,13 @@ its thread) holds keeps a wrapper, its optimizers or its model alive. So:
   the collected gather's finaliser waits for its works still in flight first (the backends
   keep the buffers they write alive anyway), so nothing is freed while a gather writes into it.
 
+Params inside ``torch.func`` transforms (``grad_and_value(f)(dict(model.named_parameters()))``,
+``vmap``, ``jacrev``) are functorch wrappers without storage of their own: the guard unwraps
+them to the tensor they wrap (``shardkit.optim._torch_compat.functorch_base``) and matches that.
 What it cannot see: another thread (the mode stack is per thread), a raw pointer taken before
 the step and used later (``data_ptr()`` itself is guarded), C++ / CUDA extensions that read the
-params without a torch function, tensor subclasses that wrap a param view (their inner ops run
-inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
+params without a torch function, tensor subclasses of the user's that wrap a param view (their
+inner ops run inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
 ``ddp.wait_params()`` before any of these (or pass ``overlap_param_gather=False``).
 """
 
@@ -68,7 +71,7 @@ from typing import Any, Protocol
 
 import torch
 from shardkit.optim._placeholders import METADATA_READS
-from shardkit.optim._torch_compat import push_function_mode, remove_function_mode
+from shardkit.optim._torch_compat import functorch_base, push_function_mode, remove_function_mode
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -238,8 +241,14 @@ def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
 def _wait_for(gathers: tuple[_Gathers, ...], t: torch.Tensor) -> None:
     try:
         ptr = t.data_ptr()
-    except RuntimeError:  # no storage (sparse, nested): not a view of a flat buffer
-        return
+    except RuntimeError:  # no storage: a torch.func wrapper, else not a view of a flat buffer
+        base = functorch_base(t)
+        if base is None:
+            return
+        try:
+            ptr = base.data_ptr()
+        except RuntimeError:
+            return
     for g in gathers:
         index = g.spans.bucket_at(ptr)
         if index is not None and index in g.pending:

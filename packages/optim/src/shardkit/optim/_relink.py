@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 from shardkit.optim._flat import FlatBucket
 
-__all__ = ["ParamStorageError", "moved_params", "relink"]
+__all__ = ["ParamStorageError", "relink"]
 
 logger = logging.getLogger("shardkit.optim")
 _logged = False
@@ -52,23 +52,6 @@ class ParamStorageError(RuntimeError):
     """
 
 
-def moved_params(
-    buckets: Sequence[FlatBucket],
-) -> list[tuple[FlatBucket, int]]:
-    """``(bucket, position)`` of every param that is no longer the view of its bucket's flat
-    buffer it was laid out as (call with no param gather pending on these buckets: the check
-    reads ``data_ptr()``, which the param-access guard would wait on)."""
-    out: list[tuple[FlatBucket, int]] = []
-    for b in buckets:
-        base, size, dtype = b.flat.data_ptr(), b.flat.element_size(), b.flat.dtype
-        for i, p in enumerate(b.params):
-            if p.dtype is not dtype or (
-                p.numel() > 0 and p.data_ptr() != base + b.offsets[i] * size
-            ):
-                out.append((b, i))
-    return out
-
-
 def relink(
     moved: Sequence[tuple[FlatBucket, int]],
     shapes: dict[int, torch.Size],
@@ -79,7 +62,7 @@ def relink(
     bucket].
 
     Args:
-        moved: What :func:`moved_params` returned.
+        moved: ``(bucket, position)`` of each moved param (``FlatBucket.moved``).
         shapes: ``id(param)`` -> its shape when the layout was built.
         reseed: Called with each re-linked param.
 

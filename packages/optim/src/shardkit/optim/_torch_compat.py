@@ -32,6 +32,12 @@ instead of keeping copies).
   ``with torch.device("meta"):`` or a ``FlopCounterMode`` around the forward).
   ``tests/test_torch_compat_modes.py`` pins the calls.
 
+* ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``: a tensor inside a
+  ``torch.func`` transform (``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``) is a
+  functorch wrapper without storage of its own around the tensor passed in; the param-access
+  guard unwraps it to the param's storage to match it ([Note: Param access guard]).
+  ``tests/test_torch_compat_modes.py::test_functorch_wrappers_unwrap_to_the_param`` pins it.
+
 * ``torch.Tensor._version``: the version counter autograd keeps per tensor, bumped by every
   in-place op on it (``copy_`` in ``load_state_dict``, ``nn.init``, ``p.mul_``), not by writes
   through ``p.data`` nor through another tensor that shares its storage without being its view
@@ -158,3 +164,14 @@ def remove_function_mode(mode: TorchFunctionMode) -> bool:
     for m in reversed(above):
         torch._C._push_on_torch_function_stack(m)  # noqa: SLF001 (pinned torch internal)
     return found
+
+
+def functorch_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a ``torch.func`` wrapper (at any depth of nested transforms) wraps, or
+    ``None`` if ``t`` is no such wrapper."""
+    functorch = torch._C._functorch  # noqa: SLF001 (pinned torch internal)
+    if not functorch.is_functorch_wrapped_tensor(t):
+        return None
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
