@@ -174,7 +174,8 @@ def test_replaced_storage_keeps_the_optimizer_state_and_masters() -> None:
 
 @world(2)
 def test_a_param_whose_dtype_stays_changed_is_refused() -> None:
-    """``model.double()`` alone would train in fp64 under DDP: refused on every rank."""
+    """``model.double()`` alone would train in fp64 under DDP: refused on every rank by the
+    step's agreement, before anything moves."""
     m = _model()
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
     sdp = ShardedDataParallel(m, opt)
@@ -183,7 +184,7 @@ def test_a_param_whose_dtype_stays_changed_is_refused() -> None:
     opt.step()
     m.double()
     nn.functional.mse_loss(sdp(x.double()), y.double()).backward()
-    with pytest.raises(ParamStorageError, match="laid out as"):
+    with pytest.raises(RuntimeError, match="laid out as"):
         opt.step()
 
 

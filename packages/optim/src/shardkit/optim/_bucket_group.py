@@ -47,7 +47,7 @@ from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
-from shardkit.optim._relink import relink
+from shardkit.optim._relink import refusal, relink
 from shardkit.optim._shard_state import (
     ParkedState,
     checkpoint_part,
@@ -281,9 +281,13 @@ class BucketGroup(ShardOwner):
         with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._profiling
             # Hyper-parameters, requires_grad and the call itself, agreed before any shard
             # moves (shardkit-optim's [Note: Call agreement]).
-            self.opt.check_step(self._trainable_error())
+            # See [Note: Params that left their bucket] in shardkit.optim._relink
+            moved = [(b, i) for b in self.buckets for i in b.moved()]
+            refused = refusal(moved, self.shapes) if moved else None
+            self.opt.check_step(self._trainable_error() or refused)
             self.wait_params()
-            self.relink_moved()
+            if moved:
+                relink(moved, self.stepper.reseed)
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
             with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
@@ -345,14 +349,6 @@ class BucketGroup(ShardOwner):
     def close(self) -> None:
         """The wrapper was closed: ``step()`` raises from now on."""
         self.closed = True
-
-    def relink_moved(self) -> None:
-        """Puts the params whose storage was replaced back into their buckets, with their
-        new values (no gather pending). See [Note: Params that left their bucket] in
-        ``shardkit.optim._relink``."""
-        moved = [(b, i) for b in self.buckets for i in b.moved()]
-        if moved:
-            relink(moved, self.shapes, self.stepper.reseed)
 
     def wait_params(self) -> None:
         """Waits for the group's param all-gathers still in flight."""

@@ -163,7 +163,7 @@ class _ParamGuard(TorchFunctionMode):
             self.inspected += 1
             self.depth += 1
             try:
-                gathers = tuple(g for r in self.refs if (g := r()) is not None)
+                gathers = [g for r in self.refs if (g := r()) is not None]
                 for a in args:
                     _touch(gathers, a)
                 for a in kwargs.values():
@@ -227,7 +227,7 @@ def _leave(guard: _ParamGuard) -> None:
         guard.on_stack = False
 
 
-def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
+def _touch(gathers: list[_Gathers], a: Any) -> None:
     """Waits for the pending gather of every bucket ``a`` (a tensor, or a list / tuple of
     them) points into."""
     if type(a) in _PLAIN:
@@ -238,7 +238,7 @@ def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
                 _wait_for(gathers, t)
 
 
-def _wait_for(gathers: tuple[_Gathers, ...], t: torch.Tensor) -> None:
+def _wait_for(gathers: list[_Gathers], t: torch.Tensor) -> None:
     try:
         ptr = t.data_ptr()
     except RuntimeError:  # no storage: a torch.func wrapper, else not a view of a flat buffer
