@@ -54,6 +54,17 @@ def _clone(m: nn.Module) -> None:
         p.data = p.data.clone()
 
 
+def _set_(m: nn.Module) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.set_(p.detach().clone() + 0.001)
+
+
+def _half_round_trip(m: nn.Module) -> None:
+    m.half()
+    m.float()
+
+
 def _share(m: nn.Module) -> None:
     m.share_memory()
 
@@ -67,14 +78,17 @@ _IDIOMS: dict[str, Callable[[nn.Module], None]] = {
     "round_trip": _round_trip,
     "vector_to_parameters": _vector,
     "clone": _clone,
+    "set_": _set_,
+    "half_round_trip": _half_round_trip,
     "share_memory": _share,
 }
 
 
 class _AllReduce(nn.Module):
     """DDP's arithmetic by hand (grads halved, then summed: DDP's bits). The reference for
-    the dtype round trip, after which torch DDP itself stops averaging the new params'
-    gradients (its reducer keeps the old ones: measured on torch 2.13, 9e-3 after one step)."""
+    the dtype round trips and ``p.set_(t)``, after which torch DDP itself stops averaging the
+    new storage's gradients (its reducer keeps the old ones: measured on torch 2.13, 9e-3 to
+    2e-2 after one step)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -93,14 +107,21 @@ def _all_reduce(p: torch.Tensor) -> None:
 
 
 def _train(
-    idiom: str, where: str, bucket: int | None, overlap: bool
+    idiom: str, where: str, bucket: int | None, overlap: bool, views: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ref_m = _model()
     m = copy.deepcopy(ref_m)
-    ref: nn.Module = DDP(ref_m) if idiom != "round_trip" else _AllReduce(ref_m)
+    by_hand = idiom in ("round_trip", "half_round_trip", "set_")
+    ref: nn.Module = _AllReduce(ref_m) if by_hand else DDP(ref_m)
     ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
-    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=bucket, overlap_param_gather=overlap)
+    sdp = ShardedDataParallel(
+        m,
+        opt,
+        reduce_buffer_size=bucket,
+        overlap_param_gather=overlap,
+        gradient_as_bucket_view=views,
+    )
     act = _IDIOMS[idiom]
     for step in range(5):
         x, y = _batch(step)
@@ -129,16 +150,22 @@ def _train(
 @pytest.mark.parametrize("bucket", [0, 40, None])
 @world(2)
 def test_replaced_storage_keeps_training_as_ddp(idiom: str, where: str, bucket: int | None) -> None:
-    """DDP keeps training after the idiom; so does ShardedDataParallel, bit for bit."""
+    """DDP keeps training after the idiom; so does ShardedDataParallel, bit for bit. One
+    stated exception: ``model.half(); model.float()`` between backward and ``step()`` rounds
+    DDP's full ``.grad`` through fp16 too, while ZeRO-2's reduced gradient waits in the shard
+    (``.grad`` is a placeholder) and keeps its fp32 bits: within 1e-5 (measured 4e-6)."""
     ref, got = _train(idiom, where, bucket, overlap=True)
+    atol = 1e-5 if (idiom, where) == ("half_round_trip", "before_step") else 0.0
     for r, g in zip(ref, got, strict=True):
-        torch.testing.assert_close(g, r, rtol=0, atol=0)
+        torch.testing.assert_close(g, r, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("idiom", ["set_data", "round_trip", "vector_to_parameters"])
+@pytest.mark.parametrize("views", [False, True])
 @world(2)
-def test_replaced_storage_without_overlap(idiom: str) -> None:
-    ref, got = _train(idiom, "after_step", 40, overlap=False)
+def test_replaced_storage_without_overlap(idiom: str, views: bool) -> None:
+    """The same without deferred gathers, and with gradients as bucket views."""
+    ref, got = _train(idiom, "after_step", 40, overlap=False, views=views)
     for r, g in zip(ref, got, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 

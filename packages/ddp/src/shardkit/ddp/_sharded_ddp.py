@@ -69,6 +69,13 @@ class ShardedDataParallel(nn.Module):
     ``copy.deepcopy`` of the wrapped module gives a plain module (finished params, no hooks,
     no process group), as under DDP; see [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``.
 
+    After training, :meth:`close` (or the end of ``with ShardedDataParallel(...) as ddp:``)
+    leaves the module plain; a dropped wrapper is collected with its model. A param whose
+    storage was replaced (``p.data = t``, a dtype round trip) is copied back into its bucket by
+    the next ``step()``, as DDP keeps training; ``optimizer.state`` shows this rank's shard
+    state. See [Note: Closing the wrapper] and shardkit-optim's [Note: Params that left their
+    bucket] and [Note: Optimizer state under ZeRO-2].
+
     Args:
         module: the model, already on its device, identical on every rank (or synchronised
             with ``sync_models_at_startup``).
