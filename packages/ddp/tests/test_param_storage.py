@@ -261,6 +261,8 @@ def test_optimizer_state_shows_this_ranks_shard(bucket: int | None, compact: str
     for p, st in opt.state.items():
         assert int(st["step"]) == 2
         assert p in opt.state
+    for p in params:  # as ZeRO-1's defaultdict: a param with no piece here reads empty
+        assert p in opt.state or opt.state[p] == {}
     mine = sum(_numel(st["exp_avg"]) for st in opt.state.values())
     total = torch.tensor([mine])
     dist.all_reduce(total)

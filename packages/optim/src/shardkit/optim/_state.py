@@ -215,7 +215,8 @@ class _StateFlag:
 # of that piece (``exp_avg`` of an element-range piece is 1-D, of a whole param owned here its
 # shape; compact moments are shown as stored: codes and scales). It is a read-only live view
 # (:class:`_OwnerState`): each access asks the owner, so it follows steps, loads and layout
-# rebuilds; writing to a shown tensor in place writes the state. Its truth value is the flag
+# rebuilds; writing to a shown tensor in place writes the state; a param with no piece here
+# reads as an empty dict, as under ZeRO-1. Its truth value is the flag
 # of [Note: State truthiness], like ZeRO-1's. The full state of every param, in plain torch
 # format, is the collective ``consolidate_state_dict`` / ``optimizer_state_dict()``.
 class _OwnerState(Mapping[torch.Tensor, Any]):
@@ -227,7 +228,9 @@ class _OwnerState(Mapping[torch.Tensor, Any]):
         self.flag = flag
 
     def __getitem__(self, param: torch.Tensor) -> Any:
-        return self.owner.shard_state()[param]
+        # a param with no piece here reads as an empty dict, as ZeRO-1's defaultdict shows a
+        # param this rank does not own (nothing is stored)
+        return self.owner.shard_state().get(param, {})
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self.owner.shard_state())
