@@ -33,6 +33,7 @@ import socket
 import statistics
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -75,7 +76,8 @@ def _per_call_us() -> tuple[float, float]:
             pass
 
     guard = _ParamGuard()
-    guard.gathers.append(_Pending())  # type: ignore[arg-type]
+    pending = _Pending()
+    guard.refs.append(weakref.ref(pending))  # type: ignore[arg-type]
     t = torch.zeros(16)  # not in the bucket: matched, never waited for
     n = 20000
 

@@ -30,6 +30,7 @@ _SURFACE = {
     "broadcast": "(self, t: 'torch.Tensor', src_group_rank: 'int') -> 'None'",
     "buckets": "property",
     "clip_grad_norm": "(self, max_norm: 'float', norm_type: 'float') -> 'torch.Tensor'",
+    "close": "(self) -> 'None'",
     "enter_no_sync": "(self) -> 'None'",
     "forward_started": "(self) -> 'None'",
     "full_state_dict": "(self, k: 'int') -> 'dict[str, Any]'",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardkit.optim._torch_compat import push_function_mode, remove_function_mode
+from shardkit.optim._torch_compat import functorch_base, push_function_mode, remove_function_mode
 from torch.overrides import TorchFunctionMode
 
 
@@ -51,7 +51,9 @@ def test_a_mode_is_off_the_stack_while_its_own_handler_runs() -> None:
     seen: list[bool] = []
 
     class _Probe(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             seen.append(remove_function_mode(self))
             return func(*args, **(kwargs or {}))
 
@@ -61,3 +63,41 @@ def test_a_mode_is_off_the_stack_while_its_own_handler_runs() -> None:
     t.add_(1)
     assert seen == [False]
     assert remove_function_mode(probe) is True  # torch pushed it back after the call
+
+
+class _Seen(TorchFunctionMode):
+    """Records the storage pointer of every tensor argument, unwrapped as the guard does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ptrs: list[int] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                try:
+                    self.ptrs.append(a.data_ptr())
+                except RuntimeError:
+                    base = functorch_base(a)
+                    if base is not None:
+                        self.ptrs.append(base.data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def test_functorch_wrappers_unwrap_to_the_param() -> None:
+    """Inside ``grad_and_value`` (and nested in ``vmap``) a param is a wrapper without storage;
+    ``functorch_base`` finds the param's storage; a plain tensor is no wrapper."""
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    assert functorch_base(w) is None
+
+    def f(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (x @ params["w"]).sum()
+
+    seen = _Seen()
+    with seen:
+        torch.func.grad_and_value(f)({"w": w}, torch.randn(2, 3))
+    assert w.data_ptr() in seen.ptrs
+    seen = _Seen()
+    with seen:
+        torch.func.vmap(lambda x: torch.func.grad(f)({"w": w}, x))(torch.randn(4, 2, 3))
+    assert w.data_ptr() in seen.ptrs

@@ -83,3 +83,9 @@ def make_deepcopy_plain(module: nn.Module, wait: Callable[[], None]) -> None:
     if getattr(type(module), "__deepcopy__", None) is not None:
         return
     object.__setattr__(module, "__deepcopy__", _PlainCopy(module, wait))
+
+
+def drop_deepcopy_plain(module: nn.Module) -> None:
+    """Removes the :class:`_PlainCopy` :func:`make_deepcopy_plain` installed (``close()``)."""
+    if isinstance(module.__dict__.get("__deepcopy__"), _PlainCopy):
+        object.__delattr__(module, "__deepcopy__")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -24,12 +25,13 @@ from shardkit.ddp._checks import (
     optimizers_of,
 )
 from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._module_copy import _Hook, make_deepcopy_plain
+from shardkit.ddp._module_copy import _Hook, drop_deepcopy_plain, make_deepcopy_plain
 from shardkit.ddp._profiling import phase
 from shardkit.optim import (
     CommStats,
     EngineOptions,
     FlatBucket,
+    ParamStorageError,
     ShardedOptimizer,
     Zero2Engine,
     build_flat_buckets,
@@ -66,6 +68,13 @@ class ShardedDataParallel(nn.Module):
 
     ``copy.deepcopy`` of the wrapped module gives a plain module (finished params, no hooks,
     no process group), as under DDP; see [Note: Plain deepcopy] in ``shardkit.ddp._module_copy``.
+
+    After training, :meth:`close` (or the end of ``with ShardedDataParallel(...) as ddp:``)
+    leaves the module plain; a dropped wrapper is collected with its model. A param whose
+    storage was replaced (``p.data = t``, a dtype round trip) is copied back into its bucket by
+    the next ``step()``, as DDP keeps training; ``optimizer.state`` shows this rank's shard
+    state. See [Note: Closing the wrapper] and shardkit-optim's [Note: Params that left their
+    bucket] and [Note: Optimizer state under ZeRO-2].
 
     Args:
         module: the model, already on its device, identical on every rank (or synchronised
@@ -205,6 +214,9 @@ class ShardedDataParallel(nn.Module):
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         check_consistent(params, group=self.group)
         self._no_sync = False
+        self._closed = False  # See [Note: Closing the wrapper]
+        self._module_params = {id(p): weakref.ref(p) for p in module.parameters()}
+        """The module's params at construction (a later new object is refused)."""
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         options = EngineOptions(
             wire_dtype=given.wire_dtype,
@@ -365,6 +377,12 @@ class ShardedDataParallel(nn.Module):
             RuntimeError: in training with grad enabled, a param's ``.grad`` requires grad
                 (double backward, ``create_graph=True``), which sharded gradients do not support.
         """
+        if self._closed:
+            raise RuntimeError(
+                "ShardedDataParallel.forward(): this wrapper was closed (close() or the end of "
+                "its with block); call the module itself (ddp.module) for inference, or build "
+                "a new ShardedOptimizer and ShardedDataParallel to train again"
+            )
         if self.training and torch.is_grad_enabled():
             for b in self._buckets:
                 for p in b.params:
@@ -374,10 +392,10 @@ class ShardedDataParallel(nn.Module):
                             f"(double backward / create_graph=True): ShardedDataParallel reduces "
                             f"detached gradients; use torch DDP for higher-order gradients"
                         )
-            if self.auto_refresh_trainable and self._engine.trainable_changed(
-                self.module.parameters()
-            ):
-                self.refresh_trainable()  # See [Note: Trainable refresh]
+            if self._engine.trainable_changed(self.module.parameters()):
+                self._refuse_new_params()
+                if self.auto_refresh_trainable:
+                    self.refresh_trainable()  # See [Note: Trainable refresh]
         self._engine.forward_started()  # forgets a backward that raised before its end
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self._sync_buffers_next:
@@ -388,6 +406,25 @@ class ShardedDataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         return out
+
+    def _refuse_new_params(self) -> None:
+        """Raises if the module holds a ``Parameter`` it did not hold when wrapped (shardkit-optim's
+        [Note: Params that left their bucket]: a new object is refused, not re-linked)."""
+        known = self._module_params
+        new = [
+            name
+            for name, p in self.module.named_parameters()
+            if (ref := known.get(id(p))) is None or ref() is not p
+        ]
+        if new:
+            raise ParamStorageError(
+                f"the module holds new Parameter objects that the wrapped optimizer does not "
+                f"know: {new[:5]} (load_state_dict(assign=True), or an attribute assigned a new "
+                f"nn.Parameter, after ShardedDataParallel was built); they would not be trained "
+                f"(under DDP neither). Load values in place (load_state_dict() without "
+                f"assign=True, or p.data = t / p.copy_(t): those are re-linked), or build a new "
+                f"ShardedOptimizer and ShardedDataParallel around the module"
+            )
 
     # [Note: Trainable refresh]
     # The bucket layout holds the params that were trainable when it was built. A change of
@@ -475,6 +512,39 @@ class ShardedDataParallel(nn.Module):
         is seen: from another thread, through a raw pointer or a C++ extension.
         """
         self._engine.wait_params()
+
+    # [Note: Closing the wrapper]
+    # The wrapper's hold on the user's module and the torch-function mode stack ends at
+    # ``close()`` (or the end of a ``with`` block), or when the wrapper and its optimizers are
+    # collected (shardkit-optim's [Note: The window belongs to the wrapper]). ``close()`` waits
+    # for the pending param gathers (the guard leaves the stack), removes every hook the
+    # wrapper put on the module and its params and the ``.grad`` placeholders, and leaves the
+    # module a plain module holding the trained params (still views of the flat buffers, which
+    # the module keeps alive). It never touches the user's process group. After it the
+    # wrapper's forward and its optimizers' ``step()`` raise.
+    def close(self) -> None:
+        """Ends the wrapper's hold on the module: waits for the param gathers in flight,
+        removes its hooks and ``.grad`` placeholders. Local; idempotent; the process group is
+        the user's and stays. See [Note: Closing the wrapper].
+
+        Raises:
+            RuntimeError: called inside a backward pass.
+        """
+        if self._closed:
+            return
+        self._engine.close()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for sub in self.module.modules():
+            drop_deepcopy_plain(sub)
+        self._closed = True
+
+    def __enter__(self) -> ShardedDataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._engine.before_forward(module)

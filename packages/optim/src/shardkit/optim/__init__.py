@@ -53,6 +53,7 @@ from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._grad_scaler import ShardedGradScaler
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._profiling import profiler_range, profiling
+from shardkit.optim._relink import ParamStorageError
 from shardkit.optim._shard_state import (
     ParkedState,
     checkpoint_part,
@@ -77,6 +78,7 @@ __all__ = [
     "FlatBucket",
     "GradFactors",
     "GradNorm",
+    "ParamStorageError",
     "ParkedState",
     "SafeFileSystemReader",
     "ShardEntry",

@@ -31,7 +31,7 @@ written only by that state machine's transitions (see [Note: Bucket group state]
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
+from shardkit.optim._relink import refusal, relink
 from shardkit.optim._shard_state import (
     ParkedState,
     checkpoint_part,
@@ -108,6 +109,8 @@ class BucketGroup(ShardOwner):
         self.last_closure_loss: Any = None
         self.closure_order = -1
         """When the closure of ``last_closure_loss`` ran (orders the wrapper's groups)."""
+        self.closed = False
+        """Whether the wrapper was closed (``Zero2Engine.close``)."""
         self._lay_out(buckets, module, where)
 
     def rebuild(self, buckets: list[FlatBucket], module: nn.Module, where: ParamMap) -> None:
@@ -120,6 +123,8 @@ class BucketGroup(ShardOwner):
         self.buckets = buckets
         self.where = where
         """The layout's param map (read only; a param is in it iff it was trainable)."""
+        self.shapes = {id(p): p.shape for b in buckets for p in b.params}
+        """Each bucketed param's shape in the layout ([Note: Params that left their bucket])."""
         self.life = GroupLife(f"{NAME} (optimizer {self.index})", buckets)
         """The group's state machine: see [Note: Bucket group state]."""
         self.stepper = ShardStepper(
@@ -262,6 +267,12 @@ class BucketGroup(ShardOwner):
                 f"(the local step runs the wrapped optimizer class on the shards), got "
                 f"{sorted(kwargs)}"
             )
+        if self.closed:
+            raise RuntimeError(
+                f"{self.opt.__class__.__name__}.step(): the ShardedDataParallel that drives this "
+                f"optimizer was closed (close() or the end of its with block); build a new "
+                f"ShardedOptimizer and ShardedDataParallel to train again"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -270,8 +281,13 @@ class BucketGroup(ShardOwner):
         with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._profiling
             # Hyper-parameters, requires_grad and the call itself, agreed before any shard
             # moves (shardkit-optim's [Note: Call agreement]).
-            self.opt.check_step(self._trainable_error())
+            # See [Note: Params that left their bucket] in shardkit.optim._relink
+            moved = [(b, i) for b in self.buckets for i in b.moved()]
+            refused = refusal(moved, self.shapes) if moved else None
+            self.opt.check_step(self._trainable_error() or refused)
             self.wait_params()
+            if moved:
+                relink(moved, self.stepper.reseed)
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
             with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
@@ -330,6 +346,10 @@ class BucketGroup(ShardOwner):
                 out[sub] = own
         return out
 
+    def close(self) -> None:
+        """The wrapper was closed: ``step()`` raises from now on."""
+        self.closed = True
+
     def wait_params(self) -> None:
         """Waits for the group's param all-gathers still in flight."""
         self.gather.wait_all()
@@ -377,6 +397,15 @@ class BucketGroup(ShardOwner):
         self.stepper.drop_factors()
 
     # ------------------------------------------------------------------ ShardOwner: state
+    def shard_state(self) -> Mapping[torch.Tensor, dict[str, Any]]:
+        """This rank's live state of each param with a piece here (see shardkit-optim's
+        [Note: Optimizer state under ZeRO-2] in ``shardkit.optim._state``)."""
+        local = self.stepper.local
+        if local is None:
+            return {}
+        state = local.state
+        return {e.param: state[e.opt] for e in self.stepper.all_entries() if e.opt in state}
+
     def full_state_dict(
         self, recipient_rank: int = -1, skip: Set[int] = frozenset()
     ) -> dict[str, Any]:

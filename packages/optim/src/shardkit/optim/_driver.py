@@ -41,7 +41,7 @@ every rank.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,14 @@ class ShardOwner(StepDriver):
 
         ``filter_params_fn`` is ``ShardedOptimizer.clip_grad_norm``'s (an owner that cannot
         honour it raises ``ValueError``)."""
+
+    def shard_state(self) -> Mapping[torch.Tensor, dict[str, Any]]:
+        """This rank's optimizer state, by param: for each param with a piece here, the live
+        state of that piece (its tensors are what the next step updates: 1-D for a piece of an
+        element-range bucket; compact moments as stored). What ``ShardedOptimizer.state``
+        shows while this owner is attached ([Note: Optimizer state under ZeRO-2] in
+        ``shardkit.optim._state``). The default: none."""
+        return {}
 
     @abstractmethod
     def full_state_dict(

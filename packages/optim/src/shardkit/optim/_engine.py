@@ -152,6 +152,21 @@ class Zero2Engine:
         for g in self.groups:
             g.wait_params()
 
+    def close(self) -> None:
+        """Ends the engine's hold on the module: waits for every pending param gather (the
+        param-access guard leaves the stack), removes the gradient hooks and the ``.grad``
+        placeholders; the groups then refuse ``step()``. Local; never touches the process
+        group. See [Note: The window belongs to the wrapper] in ``shardkit.optim._guard``."""
+        if self.in_backward:
+            raise RuntimeError(
+                "ShardedDataParallel.close() was called inside a backward pass; call it after "
+                "the last optimizer.step() (or zero_grad())"
+            )
+        self.wait_params()
+        self.reducer.close()
+        for g in self.groups:
+            g.close()
+
     def zero_grad(self, params: Any, set_to_none: bool) -> None:
         """Drops the reduced gradients of every group and the ``.grad`` of ``params``."""
         for g in self.groups:

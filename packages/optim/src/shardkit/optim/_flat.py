@@ -172,6 +172,19 @@ class FlatBucket:
         reduction overwrites ``grad_shard`` (``grad_fresh`` becomes true)."""
         self.grad_fresh = True
 
+    def moved(self) -> list[int]:
+        """Positions of the params that are no longer the view of ``flat`` they were laid out
+        as (their storage was replaced: ``p.data = t``, a dtype round trip); see shardkit-optim's
+        [Note: Params that left their bucket]. Reads ``data_ptr()``: call it with no param
+        gather of the bucket pending."""
+        base, size, dtype = self.flat.data_ptr(), self.flat.element_size(), self.flat.dtype
+        return [
+            i
+            for i, p in enumerate(self.params)
+            if p.dtype is not dtype
+            or (p.numel() > 0 and p.data_ptr() != base + self.offsets[i] * size)
+        ]
+
     def range_of(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``flat`` owned by ``rank``."""
         return rank * self.shard, (rank + 1) * self.shard

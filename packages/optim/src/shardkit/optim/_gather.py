@@ -33,6 +33,7 @@ gathers stay deferred.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -77,10 +78,15 @@ class _ParamGather:
         self.life = life
         self.module_buckets = module_buckets
         """Buckets of the params each module owns directly (``recurse=False``)."""
+        self.buckets = list(buckets)
         self.spans = _Spans((b.index, b.flat) for b in buckets)
-        """Byte ranges of the flat buffers (see [Note: Param access guard])."""
+        """Byte ranges of the flat buffers, read again at every :meth:`issue` (see [Note:
+        Param access guard])."""
         self.guard: _ParamGuard | None = None
         """The guard this gather is registered with while something is pending."""
+        # See [Note: The window belongs to the wrapper] in shardkit.optim._guard
+        collected = weakref.finalize(self, _collected, comm, life.gathers)
+        collected.atexit = False
 
     @property
     def pending(self) -> Mapping[int, _Pending]:
@@ -91,6 +97,9 @@ class _ParamGather:
         """All-gathers every rank's range of ``buckets`` (async); waits at once unless
         overlapped (or on Gloo under a profiler: [Note: Gloo gathers and the profiler]), else
         arms the guard ([Note: Param access guard])."""
+        # The buckets' storage may have moved since the last step (``share_memory()``, a state
+        # dict pickled through a multiprocessing queue): the spans are read again each time.
+        self.spans = _Spans((b.index, b.flat) for b in self.buckets)
         with torch.no_grad():
             for b in reversed(buckets):
                 # In place: this rank's range is both the input and its own output chunk (NCCL
@@ -141,6 +150,15 @@ class _ParamGather:
             if self.guard is not None:
                 disarm(self.guard, self)
                 self.guard = None
+
+
+def _collected(comm: _Comm, pending: Mapping[int, _Pending]) -> None:
+    """The gather of a collected wrapper: its works still in flight are waited for (Gloo and
+    NCCL keep the buffers they write alive anyway) and the guard leaves the stack if nothing
+    else is pending."""
+    for work in list(pending.values()):
+        comm.wait(work)
+    settle()
 
 
 def _log_profiling_once() -> None:

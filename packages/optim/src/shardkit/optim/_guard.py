@@ -26,32 +26,52 @@ forward order; the guard catches everything else, on any path, in every forward,
 probed first one.
 
 One guard per thread serves every wrapper (:func:`arm` registers a wrapper's gathers with
-the guard of the thread that steps it): it is pushed at the end of a ``step()`` and leaves the
-stack at the next point where a wrapper's own code runs (a forward pre-hook,
-``wait_params()``, a step) once no gather is pending, wherever it then sits in the stack (the
-user may have entered modes above it; see ``shardkit.optim._torch_compat``). While it is on the
-stack with nothing pending it only forwards each call. A wrapper whose last gathers nothing
-ever touches (training ended after a ``step()``) must not keep the guard busy or itself
-alive: every few calls the guard also polls the pending works and forgets the finished ones
-(a finished work needs no wait), and a wrapper with nothing pending leaves the guard.
+the guard of the thread that steps it): it is pushed at the end of a ``step()`` that leaves
+gathers in flight. While it is on the stack with nothing pending it only forwards each call.
+Every few calls it also polls the pending works and forgets the finished ones (a finished work
+needs no wait).
 
+[Note: The window belongs to the wrapper]
+The window is the wrapper's, not the process's: the guard holds each wrapper's gathers
+*weakly* (:attr:`_ParamGuard.refs`): nothing the guard (a thread-local that lives as long as
+its thread) holds keeps a wrapper, its optimizers or its model alive. So:
+
+- the guard stops inspecting as soon as the last pending gather is complete, whoever waited
+  for it (a pre-hook, the guard itself, a poll that found it finished, ``wait_params()``, a
+  step);
+- it leaves the stack at the next point where no torch function of it is running: a wrapper's
+  entry point (a forward pre-hook, ``wait_params()``, a step), ``ShardedDataParallel.close()``,
+  or the collection of a wrapper's gathers (a weakref callback and a finaliser), wherever it
+  sits in the stack (the user may have entered modes above it; see
+  ``shardkit.optim._torch_compat``). It cannot leave from inside its own call (torch pushes a
+  mode back when its ``__torch_function__`` returns): between the gather the guard itself
+  completed and the next of those points, each torch call pays a pass-through;
+- a finished model is collected after ``del ddp, opt, model; gc.collect()`` with no other call:
+  the collected gather's finaliser waits for its works still in flight first (the backends
+  keep the buffers they write alive anyway), so nothing is freed while a gather writes into it.
+
+Params inside ``torch.func`` transforms (``grad_and_value(f)(dict(model.named_parameters()))``,
+``vmap``, ``jacrev``) are functorch wrappers without storage of their own: the guard unwraps
+them to the tensor they wrap (``shardkit.optim._torch_compat.functorch_base``) and matches that.
 What it cannot see: another thread (the mode stack is per thread), a raw pointer taken before
 the step and used later (``data_ptr()`` itself is guarded), C++ / CUDA extensions that read the
-params without a torch function, tensor subclasses that wrap a param view (their inner ops run
-inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
+params without a torch function, tensor subclasses of the user's that wrap a param view (their
+inner ops run inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
 ``ddp.wait_params()`` before any of these (or pass ``overlap_param_gather=False``).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from shardkit.optim._placeholders import METADATA_READS
-from shardkit.optim._torch_compat import push_function_mode, remove_function_mode
+from shardkit.optim._torch_compat import functorch_base, push_function_mode, remove_function_mode
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -118,8 +138,9 @@ class _ParamGuard(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.gathers: list[_Gathers] = []
-        """The wrappers' gathers with something pending."""
+        self.refs: list[weakref.ref[_Gathers]] = []
+        """The wrappers' gathers with something pending, held weakly ([Note: The window
+        belongs to the wrapper])."""
         self.on_stack = False
         self.depth = 0
         """How many of this guard's calls are running (the mode is off the stack meanwhile)."""
@@ -138,11 +159,11 @@ class _ParamGuard(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         self.calls += 1
-        if self.gathers and getattr(func, "__name__", None) not in _NO_VALUES:
+        if self.refs and getattr(func, "__name__", None) not in _NO_VALUES:
             self.inspected += 1
             self.depth += 1
             try:
-                gathers = tuple(self.gathers)
+                gathers = [g for r in self.refs if (g := r()) is not None]
                 for a in args:
                     _touch(gathers, a)
                 for a in kwargs.values():
@@ -154,6 +175,11 @@ class _ParamGuard(TorchFunctionMode):
                 self.depth -= 1
         return func(*args, **kwargs)
 
+    @property
+    def gathers(self) -> list[_Gathers]:
+        """The live gathers registered (see :attr:`refs`)."""
+        return [g for r in self.refs if (g := r()) is not None]
+
 
 _local = threading.local()
 
@@ -164,8 +190,8 @@ def arm(gather: _Gathers) -> _ParamGuard:
     guard: _ParamGuard | None = getattr(_local, "guard", None)
     if guard is None:
         guard = _local.guard = _ParamGuard()
-    if gather not in guard.gathers:
-        guard.gathers.append(gather)
+    if all(r() is not gather for r in guard.refs):
+        guard.refs.append(weakref.ref(gather, functools.partial(_collected, guard)))
     if not guard.on_stack:
         push_function_mode(guard)
         guard.on_stack = True
@@ -176,20 +202,32 @@ def disarm(guard: _ParamGuard, gather: _Gathers) -> None:
     """Unregisters ``gather`` (nothing pending any more) from ``guard``; :func:`settle` takes
     the guard off the stack at the next entry point once no gather is registered. With
     :func:`arm`, the only writer of the guard's list."""
-    if gather in guard.gathers:
-        guard.gathers.remove(gather)
+    guard.refs = [r for r in guard.refs if r() is not gather and r() is not None]
+
+
+def _collected(guard: _ParamGuard, ref: weakref.ref[_Gathers]) -> None:
+    """A registered gather was collected (its wrapper and optimizer are gone): forgets it and
+    takes the guard off the stack if it was the last one ([Note: The window belongs to the
+    wrapper])."""
+    guard.refs = [r for r in guard.refs if r is not ref]
+    _leave(guard)
 
 
 def settle() -> None:
     """Takes this thread's guard off its mode stack if no gather is pending (at the wrappers'
-    own entry points only: inside one of the guard's calls the mode is off the stack)."""
+    own entry points, at ``close()`` and when a wrapper's gathers are collected: inside one of
+    the guard's calls the mode is off the stack and stays on it)."""
     guard: _ParamGuard | None = getattr(_local, "guard", None)
-    if guard is not None and guard.on_stack and not guard.gathers and not guard.depth:
-        remove_function_mode(guard)
+    if guard is not None:
+        _leave(guard)
+
+
+def _leave(guard: _ParamGuard) -> None:
+    if guard.on_stack and not guard.refs and not guard.depth and remove_function_mode(guard):
         guard.on_stack = False
 
 
-def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
+def _touch(gathers: list[_Gathers], a: Any) -> None:
     """Waits for the pending gather of every bucket ``a`` (a tensor, or a list / tuple of
     them) points into."""
     if type(a) in _PLAIN:
@@ -200,11 +238,17 @@ def _touch(gathers: tuple[_Gathers, ...], a: Any) -> None:
                 _wait_for(gathers, t)
 
 
-def _wait_for(gathers: tuple[_Gathers, ...], t: torch.Tensor) -> None:
+def _wait_for(gathers: list[_Gathers], t: torch.Tensor) -> None:
     try:
         ptr = t.data_ptr()
-    except RuntimeError:  # no storage (sparse, nested): not a view of a flat buffer
-        return
+    except RuntimeError:  # no storage: a torch.func wrapper, else not a view of a flat buffer
+        base = functorch_base(t)
+        if base is None:
+            return
+        try:
+            ptr = base.data_ptr()
+        except RuntimeError:
+            return
     for g in gathers:
         index = g.spans.bucket_at(ptr)
         if index is not None and index in g.pending:

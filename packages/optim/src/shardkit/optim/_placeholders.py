@@ -9,8 +9,12 @@ Its ``__torch_function__`` lets metadata through (``shape``, ``dtype``, ``device
 ``is_sparse``, ``size()``, ...) and turns what ``zero_grad(set_to_none=False)`` of
 ``nn.Module`` and ``torch.optim`` calls on a ``.grad`` (``zero_``, ``requires_grad_``,
 ``detach_``, ``_foreach_zero_``) into no-ops; every other torch op (``torch.linalg.vector_norm``,
-``torch._foreach_norm``, ``mul_``, ...) raises a RuntimeError naming
-``ShardedDataParallel.clip_grad_norm_``. The reduced gradient itself lives in the owners' grad
+``torch._foreach_norm``, ``mul_``, ...) raises a RuntimeError that says what to do for that
+op: ``ShardedDataParallel.clip_grad_norm_`` for a clip's ops, ``no_sync()`` or ``zero_grad()``
+first for any other. Metadata predicates (``is_leaf``, ``_is_view``: what ``torch.compile``'s
+fake-tensor conversion reads of every ``.grad``, so a compiled eval between ``step()`` and
+``zero_grad()`` runs as under DDP), dtype / device conversions (``model.double()``, which
+give a placeholder of the new dtype) and ``share_memory_`` pass. The reduced gradient itself lives in the owners' grad
 shards, cut at element boundaries that need not follow any dimension of the param (a rank may
 hold 7 rows and 15 elements of a 12 x 16 weight), so it has no DTensor form (``Shard(dim)`` /
 ``Replicate`` placements per param, FSDP2's answer) that torch's clip could reduce; hence an
@@ -51,8 +55,16 @@ class _ReducedGrad(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "__get__" or name in _METADATA:  # property getters and metadata methods
+        if name in ("__get__", "__set__") or name in _METADATA or name.startswith(_IS):
             return cast(Any, super()).__torch_function__(func, types, args, kwargs)
+        if name in _CONVERSIONS and args and isinstance(args[0], _ReducedGrad):
+            # model.double() / .to(...) convert every .grad: a placeholder of the new dtype
+            # and device (a 0-d zero converted, then expanded: no memory)
+            zero = torch.zeros((), dtype=args[0].dtype, device=args[0].device)
+            out = cast(Any, super()).__torch_function__(func, types, (zero, *args[1:]), kwargs)
+            if isinstance(out, torch.Tensor):
+                new = torch.zeros((), dtype=out.dtype, device=out.device)
+                return new.expand(args[0].shape).as_subclass(_ReducedGrad)
         if name in _NO_OPS:  # what zero_grad(set_to_none=False) calls on a .grad
             return args[0] if args else None
         if name == "_foreach_zero_":  # torch.optim's zero_grad(set_to_none=False), foreach
@@ -91,8 +103,17 @@ METADATA_READS = frozenset(
 )
 """Tensor methods that read a tensor's metadata, never its values (shared with the param-access
 guard, ``shardkit.optim._guard``)."""
-_METADATA = METADATA_READS | {"untyped_storage", "data_ptr"}
-_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_"))
+_METADATA = METADATA_READS | {"untyped_storage", "data_ptr", "_has_compatible_shallow_copy_type"}
+_NO_OPS = frozenset(("zero_", "requires_grad_", "detach_", "share_memory_"))
+_IS = ("is_", "_is_")
+"""Predicates on a tensor's metadata (``is_leaf``, ``_is_view``, ...; what ``torch.compile``'s
+fake-tensor conversion reads of every ``.grad``): they pass."""
+_CONVERSIONS = frozenset(("to", "type", "double", "float", "half", "bfloat16", "cpu", "cuda"))
+"""Dtype / device conversions (``nn.Module._apply`` runs them on every ``.grad``)."""
+
+
+_CLIP_OPS = ("norm", "clip", "clamp", "mul")
+"""Ops of a gradient clip (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``)."""
 
 
 def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
@@ -102,15 +123,27 @@ def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
     ]
     what = f"shape {tuple(where[0].shape)}, {where[0].dtype}" if where else "a param's"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    return (
+    short = getattr(func, "__name__", "")
+    head = (
         f"{name} was called on the .grad of a param ({what}) wrapped by "
         f"shardkit.ddp.ShardedDataParallel, whose gradient was reduce-scattered into the "
-        f"gradient shards of the ranks that own it: .grad is a placeholder without values, so "
-        f"torch.nn.utils.clip_grad_norm_ and any other op on it cannot run. Clip with "
-        f"ShardedDataParallel.clip_grad_norm_(max_norm) (or optimizer.clip_grad_norm(max_norm), "
-        f"collective, on every rank) after backward and before optimizer.step(). For full "
-        f"local gradients in .grad, run the backward under ddp.no_sync() (ddp.reduce() then "
-        f"reduces them); for all-reduced full gradients, use torch DistributedDataParallel."
+        f"gradient shards of the ranks that own it: .grad is a placeholder without values. "
+    )
+    if any(k in short for k in _CLIP_OPS):
+        return head + (
+            "To clip, call ShardedDataParallel.clip_grad_norm_(max_norm) (or "
+            "optimizer.clip_grad_norm(max_norm), collective, on every rank) after backward and "
+            "before optimizer.step(); torch.nn.utils.clip_grad_norm_ cannot see the shards. For "
+            "full local gradients in .grad, run the backward under ddp.no_sync() (ddp.reduce() "
+            "then reduces them); for all-reduced full gradients, use torch "
+            "DistributedDataParallel."
+        )
+    return head + (
+        "To read or log gradients, run that backward under ddp.no_sync() (full local "
+        "gradients in .grad, reduced later by ddp.reduce()) or use torch "
+        "DistributedDataParallel; if this code does not need the gradient (an evaluation, a "
+        "model copy or conversion between step() and zero_grad()), call "
+        "optimizer.zero_grad() first: it drops the placeholders, as it drops DDP's gradients."
     )
 
 

@@ -74,7 +74,7 @@ from shardkit.optim._comm import _Comm
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._lifecycle import PassLife
 from shardkit.optim._options import EngineOptions
-from shardkit.optim._placeholders import _ReducedGrad
+from shardkit.optim._placeholders import _ReducedGrad, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import queue_end_of_backward
 
@@ -243,6 +243,18 @@ class _Reducer:
         for h in self._hooks:
             h.remove()
         self._hooks = self._register_hooks()
+
+    def close(self) -> None:
+        """Removes the gradient hooks and drops the ``.grad`` placeholders (``close()``; no
+        backward is running)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for g, k in self.order:
+            for p in g.buckets[k].params:
+                if is_placeholder(p.grad):
+                    p.grad = None
+        self._placeholders = {}
 
     # ------------------------------------------------------------------ placeholders
     def _register_hooks(self) -> list[Any]:

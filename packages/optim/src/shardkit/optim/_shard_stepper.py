@@ -295,6 +295,15 @@ class ShardStepper:
             if e.master is not None:
                 self.versions[id(e.param)] = tensor_version(e.param)
 
+    def reseed(self, param: torch.Tensor) -> None:
+        """The master of ``param`` (if it has one) becomes its current value: it was re-linked
+        into its bucket with new values ([Note: Params that left their bucket] in
+        ``shardkit.optim._relink``)."""
+        for e in self.all_entries():
+            if e.master is not None and e.param is param:
+                e.set_master(None)
+                self.versions[id(param)] = tensor_version(param)
+
     def drop_factors(self) -> None:
         """Forgets the pending gradient factors (the loss scaler's ``1/scale``, a clip
         coefficient) queued for the tensors with masters: the step was skipped, or the

@@ -56,7 +56,13 @@ from shardkit.optim._layout import (
 )
 from shardkit.optim._master import check_master_dtype, check_master_remainder
 from shardkit.optim._profiling import profiler_range
-from shardkit.optim._state import _hyperparams, _install_state, _local_groups, _StateFlag
+from shardkit.optim._state import (
+    _hyperparams,
+    _install_state,
+    _local_groups,
+    _OwnerState,
+    _StateFlag,
+)
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
 from shardkit.optim._zero1 import LocalShards
 from shardkit.partition import check_consistent
@@ -445,7 +451,10 @@ class ShardedOptimizer(Optimizer):
         """
         if self._driver is not None:
             loss = self._driver.step(closure, **kwargs)
-            self._state_version += 1
+            if isinstance(self._driver, ShardOwner):  # See [Note: State truthiness]
+                self._stepped()
+            else:
+                self._state_version += 1
             return loss
         self._check_before_step()  # may repartition: a new backend
         loss = self._local.step(closure, **kwargs)
@@ -481,7 +490,8 @@ class ShardedOptimizer(Optimizer):
             self._local.release()
             self._backend = driver
             self._consolidations.drop()
-            self.state = _install_state(self._local.optim, self._state_flag)
+            # See [Note: Optimizer state under ZeRO-2] in shardkit.optim._state
+            self.state = _OwnerState(driver, self._state_flag)  # type: ignore[assignment]
         self._state_version += 1
 
     def detach_driver(self) -> None:
@@ -681,7 +691,8 @@ class ShardedOptimizer(Optimizer):
         self._backend.load_full_state_dict(state_dict)
         for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             wg.update(copy.deepcopy(_hyperparams(sg)))  # [Note: One owner of hyper-parameters]
-        self.state = _install_state(self._local.optim, self._state_flag)
+        if not isinstance(self.state, _OwnerState):  # [Note: Optimizer state under ZeRO-2]
+            self.state = _install_state(self._local.optim, self._state_flag)
         self._stepped()
 
     def master_model_state_dict(

@@ -207,6 +207,47 @@ class _StateFlag:
         self.value = False
 
 
+# [Note: Optimizer state under ZeRO-2]
+# Under ZeRO-2 the optimizer's state is held by its attached ``ShardOwner`` (the bucket group),
+# stepped by a local optimizer on this rank's pieces of the params. ``ShardedOptimizer.state``
+# then shows that state the way torch's ZeroRedundancyOptimizer shows its local optimizer's:
+# keyed by the (whole) param, for each param with a piece on this rank, the live state dict
+# of that piece (``exp_avg`` of an element-range piece is 1-D, of a whole param owned here its
+# shape; compact moments are shown as stored: codes and scales). It is a read-only live view
+# (:class:`_OwnerState`): each access asks the owner, so it follows steps, loads and layout
+# rebuilds; writing to a shown tensor in place writes the state; a param with no piece here
+# reads as an empty dict, as under ZeRO-1. Its truth value is the flag
+# of [Note: State truthiness], like ZeRO-1's. The full state of every param, in plain torch
+# format, is the collective ``consolidate_state_dict`` / ``optimizer_state_dict()``.
+class _OwnerState(Mapping[torch.Tensor, Any]):
+    """``ShardedOptimizer.state`` under a ``ShardOwner``; see [Note: Optimizer state under
+    ZeRO-2]."""
+
+    def __init__(self, owner: Any, flag: _StateFlag) -> None:
+        self.owner = owner
+        self.flag = flag
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        # a param with no piece here reads as an empty dict, as ZeRO-1's defaultdict shows a
+        # param this rank does not own (nothing is stored)
+        return self.owner.shard_state().get(param, {})
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.owner.shard_state())
+
+    def __len__(self) -> int:
+        return len(self.owner.shard_state())
+
+    def __contains__(self, param: object) -> bool:
+        return param in self.owner.shard_state()
+
+    def __bool__(self) -> bool:
+        return self.flag.value
+
+    def __repr__(self) -> str:
+        return f"ShardState({dict(self.owner.shard_state())!r})"
+
+
 class _ShardState(defaultdict[torch.Tensor, Any]):
     """The wrapped optimizer's state; truthy iff ``flag`` is set. See [Note: State truthiness]."""
 

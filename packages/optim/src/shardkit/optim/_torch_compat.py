@@ -32,6 +32,12 @@ instead of keeping copies).
   ``with torch.device("meta"):`` or a ``FlopCounterMode`` around the forward).
   ``tests/test_torch_compat_modes.py`` pins the calls.
 
+* ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``: a tensor inside a
+  ``torch.func`` transform (``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``) is a
+  functorch wrapper without storage of its own around the tensor passed in; the param-access
+  guard unwraps it to the param's storage to match it ([Note: Param access guard]).
+  ``tests/test_torch_compat_modes.py::test_functorch_wrappers_unwrap_to_the_param`` pins it.
+
 * ``torch.Tensor._version``: the version counter autograd keeps per tensor, bumped by every
   in-place op on it (``copy_`` in ``load_state_dict``, ``nn.init``, ``p.mul_``), not by writes
   through ``p.data`` nor through another tensor that shares its storage without being its view
@@ -75,6 +81,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "all_gather_single",
     "default_store",
+    "functorch_base",
     "no_function_modes",
     "profiling",
     "push_function_mode",
@@ -184,3 +191,14 @@ def no_function_modes() -> Iterator[None]:
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)  # noqa: SLF001 (pinned torch internal)
+
+
+def functorch_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a ``torch.func`` wrapper (at any depth of nested transforms) wraps, or
+    ``None`` if ``t`` is no such wrapper."""
+    functorch = torch._C._functorch  # noqa: SLF001 (pinned torch internal)
+    if not functorch.is_functorch_wrapped_tensor(t):
+        return None
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
