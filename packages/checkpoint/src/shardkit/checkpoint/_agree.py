@@ -181,7 +181,8 @@ def agree_outcome(
         gather_objects: the object all-gather (default: ``torch.distributed.all_gather_object``).
 
     Raises:
-        The first failing rank's error type (others as ``default``), on every rank.
+        Exception: on every rank, of the first failing rank's error type (``default`` for a
+            type :data:`ERROR_TYPES` does not list).
     """
     mine = outcome(error) if isinstance(error, BaseException) else error
     gathered = (gather_objects or gather)(mine, group)

@@ -160,9 +160,8 @@ def agree_outcome(
     Object collectives without NumPy]).
 
     Raises:
-        The first failing rank's error type (a registered one, see
-            :func:`shardkit.checkpoint.register_error_type`; others as ``default``), on every
-            rank.
+        Exception: on every rank, of the first failing rank's error type (a registered one,
+            see :func:`shardkit.checkpoint.register_error_type`; others as ``default``).
     """
     _agree_outcome(error, group, what, template=template, default=default, gather_objects=_gather)
 
