@@ -26,6 +26,7 @@ from shardkit.checkpoint._errors import (
     ChecksumError,
     UnsafeCheckpointError,
 )
+from shardkit.checkpoint._fs import LinkedPathError
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
@@ -51,6 +52,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     for t in (
         UnsafeCheckpointError,
         ChecksumError,
+        LinkedPathError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CheckpointSaveError,

@@ -26,7 +26,7 @@ from typing import IO
 
 from shardkit.checkpoint._errors import UnsafeCheckpointError
 
-__all__ = ["Location", "as_location"]
+__all__ = ["LinkedPathError", "Location", "as_location"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -35,8 +35,12 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _LINK_ERRORS = (errno.ELOOP, getattr(errno, "EMLINK", errno.ELOOP))
 
 
-def _linked(path: Path) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(
+class LinkedPathError(UnsafeCheckpointError):
+    """A file or directory below the named checkpoint directory is a symbolic link."""
+
+
+def _linked(path: Path) -> LinkedPathError:
+    return LinkedPathError(
         f"{path} is a symbolic link: a checkpoint's files and version directories must be in "
         f"its directory (only the directory you name may be a link); the checkpoint is damaged "
         f"or crafted"
@@ -142,9 +146,9 @@ class Location:
             fd = self.open_fd(name)
         except FileNotFoundError:
             return -1
-        except UnsafeCheckpointError as e:
-            if "symbolic link" in str(e):
-                raise
+        except LinkedPathError:
+            raise
+        except UnsafeCheckpointError:  # not a regular file
             return -1
         try:
             return os.fstat(fd).st_size

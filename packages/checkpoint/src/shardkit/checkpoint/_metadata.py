@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import UnsafeCheckpointError
-from shardkit.checkpoint._fs import Location, as_location
+from shardkit.checkpoint._fs import LinkedPathError, Location, as_location
 from shardkit.checkpoint._torch_compat import STORAGE_INFO
 from shardkit.checkpoint._unpickle import UnsafePickleError, restricted_loads
 from torch.distributed.checkpoint.metadata import (
@@ -241,9 +241,9 @@ def read_safe_metadata(
     path = where.path / name
     try:
         data = where.read(name)
-    except (FileNotFoundError, NotADirectoryError, UnsafeCheckpointError) as e:
-        if isinstance(e, UnsafeCheckpointError) and "symbolic link" in str(e):
-            raise
+    except LinkedPathError:
+        raise
+    except (FileNotFoundError, NotADirectoryError, UnsafeCheckpointError):
         raise UnsafeCheckpointError(
             f"{path} is missing or not a regular file; the checkpoint is damaged (or the "
             f"directory is not a torch.distributed.checkpoint checkpoint)"

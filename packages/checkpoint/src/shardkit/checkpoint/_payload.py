@@ -491,17 +491,26 @@ def _storage_id(pid: Any) -> tuple[str, torch.dtype, int]:
     return pid[2], pid[1].dtype, pid[4]
 
 
-def _declares(
-    what: str, key: str, dtype: torch.dtype, numel: int, records: Records
-) -> tuple[int, int]:
+def _span(key: str, dtype: torch.dtype, numel: int, records: Records) -> tuple[int, int]:
+    """Where the storage record ``key`` lies; it must hold ``numel`` elements of ``dtype``."""
     span = records.storages.get(key)
     if span is None or numel * dtype.itemsize > span[1]:
-        raise _fail(
-            what,
+        raise UnsafePickleError(
             f"its pickle declares a storage of {describe(numel)} {dtype} elements in record "
-            f"{describe(key)}, which {'is absent' if span is None else f'has {span[1]} bytes'}",
+            f"{describe(key)}, which {'is absent' if span is None else f'has {span[1]} bytes'}"
         )
     return span
+
+
+def _storage_data(
+    blob: Any, dtype: torch.dtype, numel: int, offset: int, meta: bool
+) -> torch.Tensor:
+    """A storage record as a tensor: a view of the blob's bytes (on the meta device: nothing)."""
+    if meta:
+        return torch.empty(numel, dtype=dtype, device="meta")
+    if numel:
+        return torch.frombuffer(blob, dtype=dtype, count=numel, offset=offset)
+    return torch.empty(0, dtype=dtype)
 
 
 def _decode_tensor(
@@ -510,13 +519,11 @@ def _decode_tensor(
     if records.pickle[1] > _MAX_PICKLE_TENSOR:
         raise _fail(what, f"its pickle takes {records.pickle[1]} bytes, not a tensor's")
     spec = _tensor_spec(_read(f, records.pickle), what)
-    span = _declares(what, spec.key, spec.storage_dtype, spec.numel, records)
-    if meta:
-        data = torch.empty(spec.numel, dtype=spec.storage_dtype, device="meta")
-    elif spec.numel:
-        data = torch.frombuffer(blob, dtype=spec.storage_dtype, count=spec.numel, offset=span[0])
-    else:
-        data = torch.empty(0, dtype=spec.storage_dtype)
+    try:
+        span = _span(spec.key, spec.storage_dtype, spec.numel, records)
+    except UnsafePickleError as e:
+        raise _fail(what, str(e)) from None
+    data = _storage_data(blob, spec.storage_dtype, spec.numel, span[0], meta)
     if spec.dtype != spec.storage_dtype:  # _rebuild_tensor_v3: bytes viewed as the dtype
         n = spec.numel // spec.dtype.itemsize
         data = data[: n * spec.dtype.itemsize].view(spec.dtype)
@@ -553,23 +560,13 @@ def decode_blob(
 
     def persistent(pid: Any) -> _Storage:
         key, dtype, numel = _storage_id(pid)
-        try:
-            span = _declares(what, key, dtype, numel, records)
-        except UnsafeCheckpointError as e:
-            raise UnsafePickleError(str(e).split(": ", 1)[-1].rsplit(";", 1)[0]) from None
+        span = _span(key, dtype, numel, records)
         known = storages.get(key)
         if known is not None:
             if known.dtype != dtype or known.numel != numel:
                 raise UnsafePickleError(f"storage {describe(key)} is named with two types")
             return known
-        if meta:
-            data = torch.empty(numel, dtype=dtype, device="meta")
-        else:
-            data = (
-                torch.frombuffer(blob, dtype=dtype, count=numel, offset=span[0])
-                if numel
-                else torch.empty(0, dtype=dtype)
-            )
+        data = _storage_data(blob, dtype, numel, span[0], meta)
         storages[key] = _Storage(data, dtype, numel)
         return storages[key]
 

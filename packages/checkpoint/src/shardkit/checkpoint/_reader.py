@@ -40,7 +40,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-__all__ = ["SafeFileSystemReader", "check_checksum_keys", "check_chunk", "chunk_index"]
+__all__ = [
+    "SafeFileSystemReader",
+    "check_checksum_keys",
+    "check_chunk",
+    "chunk_index",
+    "read_span",
+]
 
 logger = logging.getLogger("shardkit.checkpoint")
 
@@ -115,6 +121,20 @@ def check_checksum_keys(metadata: Metadata, sums: Mapping[StorageKey, int], what
             f"(first: {describe(extra[0])}): files of two saves were mixed, or the metadata was "
             f"modified"
         )
+
+
+def read_span(f: IO[bytes], offset: int, length: int, what: str) -> bytearray:
+    """``length`` bytes of ``f`` from ``offset``, read into one buffer (tensors decoded from it
+    share its memory).
+
+    Raises:
+        UnsafeCheckpointError: the file ends before (it shrank since its size was checked).
+    """
+    blob = bytearray(length)
+    f.seek(offset)
+    if f.readinto(blob) != length:  # type: ignore[attr-defined]
+        raise UnsafeCheckpointError(f"{what} ends before its declared length: the file shrank")
+    return blob
 
 
 def chunk_index(md: Metadata) -> ChunkIndex:
@@ -376,17 +396,17 @@ class SafeFileSystemReader(FileSystemReader):
         """The stored bytes of one item, read once and checked against their CRC-32: the bytes
         that are then decoded (see [Note: One decoder for stored items])."""
         info = self._md().storage_data[index]
-        blob = bytearray(info.length)
-        f.seek(info.offset)
-        if f.readinto(blob) != info.length:  # type: ignore[attr-defined]
-            raise UnsafeCheckpointError(f"{what} ends before its declared length: the file shrank")
+        blob = read_span(f, info.offset, info.length, what)
         _check_crc(what, zlib.crc32(blob), self._want(index))
         return blob
 
+    def _what(self, index: MetadataIndex) -> str:
+        info = self._md().storage_data[index]
+        return f"checkpoint item {describe(index.fqn)} (file {info.relative_path})"
+
     def _object(self, f: IO[bytes], index: MetadataIndex) -> bytearray:
         """A non-tensor item's stored bytes, checked (decoded too unless ``allow_pickle``)."""
-        info = self._md().storage_data[index]
-        what = f"checkpoint item {describe(index.fqn)} (file {info.relative_path})"
+        what = self._what(index)
         blob = self._blob(f, index, what)
         if not self.allow_pickle:
             decode_object(blob, what)
@@ -412,7 +432,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _read_item(self, f: IO[bytes], req: ReadItem, planner: LoadPlanner) -> None:
         index = req.storage_index
-        what = f"checkpoint item {describe(index.fqn)} (file {md_path(self._md(), index)})"
+        what = self._what(index)
         blob = self._blob(f, index, what)
         if req.type == LoadItemType.BYTE_IO:
             if self.allow_pickle:
@@ -437,8 +457,3 @@ class SafeFileSystemReader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
-
-
-def md_path(md: Metadata, index: MetadataIndex) -> str:
-    """The file an item is stored in (for messages)."""
-    return str(md.storage_data[index].relative_path)

@@ -21,7 +21,7 @@ from shardkit.checkpoint._describe import describe
 from shardkit.checkpoint._errors import ChecksumError, UnsafeCheckpointError
 from shardkit.checkpoint._metadata import numel
 from shardkit.checkpoint._payload import decode_blob
-from shardkit.checkpoint._reader import check_chunk, chunk_index
+from shardkit.checkpoint._reader import check_chunk, chunk_index, read_span
 from shardkit.checkpoint._scan import decode_object
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
@@ -115,13 +115,8 @@ def _item_checksums(ck: Checkpoint) -> dict[str, int] | None:
 
 def _read(ck: Checkpoint, index: MetadataIndex) -> bytearray:
     info = ck.metadata.storage_data[index]
-    blob = bytearray(info.length)
     with ck.location.open(info.relative_path) as f:  # see [Note: No path leaves the checkpoint]
-        f.seek(info.offset)
-        n = f.readinto(blob)  # type: ignore[attr-defined]
-    if n != info.length:
-        raise UnsafeCheckpointError(f"{ck.version}/{info.relative_path} shrank while read")
-    return blob
+        return read_span(f, info.offset, info.length, f"{ck.version}/{info.relative_path}")
 
 
 def _verify_item_checksums(ck: Checkpoint, sums: dict[str, int]) -> int:
