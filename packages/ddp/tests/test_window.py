@@ -135,3 +135,44 @@ def test_the_guard_leaves_once_the_gathers_are_waited_for() -> None:
         sdp(x)  # every bucket's pre-hook waits
     assert _depth() == depth
     sdp.close()
+
+
+@world(2)
+def test_a_collection_inside_a_torch_call_leaves_the_call_alone() -> None:
+    """A dropped wrapper is collected wherever the interpreter allocates, also inside a torch
+    call between torch's check that a mode is on the stack and its pop of that mode: the guard
+    leaves only once that call is over ([Note: Leaving after a collection] in shardkit-optim).
+    The collection is made to run at that worst moment of ``torch.overrides``' dispatch (where
+    the CI run once met an automatic one): the call goes on, then the next call in this frame
+    finds the stack at its depth before wrapping."""
+    import torch.overrides as overrides
+
+    depth = _clean_depth()
+    pop = overrides._pop_mode
+    for run in range(2):
+        m = _model()
+        opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+        sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
+        _train(sdp, opt, 2)
+        assert _depth() == depth + 1
+        alive = weakref.ref(sdp)
+        del m, opt, sdp  # a cycle (the module's hooks hold the wrapper): left to the collector
+        collections: list[int] = []
+
+        def collect_then_pop() -> object:
+            if not collections:
+                collections.append(gc.collect())  # checked the stack, about to pop the guard
+            return pop()
+
+        t = torch.ones(4, requires_grad=True)
+        overrides._pop_mode = collect_then_pop
+        try:
+            handle = t.register_hook(lambda g: 2 * g)  # dispatched in torch.overrides
+        finally:
+            overrides._pop_mode = pop
+        assert collections and alive() is None, run
+        t.sum().backward()
+        handle.remove()
+        assert t.grad is not None and t.grad.tolist() == [2.0] * 4
+        assert _depth() == depth, run
+    dist.barrier()

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from shardkit.optim._comm import _Comm, _Pending
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, settle
+from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_after_collection, settle
 from shardkit.optim._lifecycle import GroupLife
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import profiling
@@ -155,10 +155,10 @@ class _ParamGather:
 def _collected(comm: _Comm, pending: Mapping[int, _Pending]) -> None:
     """The gather of a collected wrapper: its works still in flight are waited for (Gloo and
     NCCL keep the buffers they write alive anyway) and the guard leaves the stack if nothing
-    else is pending."""
+    else is pending ([Note: Leaving after a collection] in ``shardkit.optim._guard``)."""
     for work in list(pending.values()):
         comm.wait(work)
-    settle()
+    leave_after_collection()
 
 
 def _log_profiling_once() -> None:

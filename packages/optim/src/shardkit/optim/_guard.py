@@ -48,7 +48,25 @@ its thread) holds keeps a wrapper, its optimizers or its model alive. So:
   completed and the next of those points, each torch call pays a pass-through;
 - a finished model is collected after ``del ddp, opt, model; gc.collect()`` with no other call:
   the collected gather's finaliser waits for its works still in flight first (the backends
-  keep the buffers they write alive anyway), so nothing is freed while a gather writes into it.
+  keep the buffers they write alive anyway), so nothing is freed while a gather writes into it,
+  and the guard leaves before the caller's next call ([Note: Leaving after a collection]).
+
+[Note: Leaving after a collection]
+A collection runs wherever the interpreter allocates, also inside a torch call between torch's
+check that a mode is on the stack and its pop of that mode (Python's ``handle_torch_function``
+and the C++ argument parser both allocate there). Taking the guard off the stack at that moment
+would empty the stack under that pop ("trying to pop from empty mode stack") or leave the call
+without an implementation. So a collection never touches the stack itself: it installs a
+one-shot profile function on the guard's thread (:func:`leave_after_collection`) that takes
+the guard off at the first point where the frame the collection interrupted, or one of its
+callers, runs its own bytecode again (a call it makes, or the return of a C function it
+called), with no frame of ``torch.overrides`` on the stack: by then the call the collection
+interrupted has finished, with any dispatch in it (torch's C++ dispatch runs no Python frame
+between its check and its pop; its Python one runs in ``torch.overrides``). After ``del ddp,
+opt, model; gc.collect()`` that is the caller's next call. Where another profile function is
+installed (a profiler or a debugger: it is never replaced) or the collection ran on another
+thread, the guard leaves at the next entry point of a wrapper on its thread, forwarding calls
+meanwhile (logged once).
 
 Params inside ``torch.func`` transforms (``grad_and_value(f)(dict(model.named_parameters()))``,
 ``vmap``, ``jacrev``) are functorch wrappers without storage of their own: the guard unwraps
@@ -63,10 +81,13 @@ inner ops run inside the guard's own call), and ``torch._C.DisableTorchFunction`
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import threading
 import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import CodeType, FrameType
 from typing import Any, Protocol
 
 import torch
@@ -76,6 +97,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__: list[str] = []
+
+logger = logging.getLogger("shardkit.optim")
 
 # Torch functions that read no values of their tensor arguments and return no new storage:
 # they never wait. A property getter (``__get__``) returns metadata or an alias (``.data``,
@@ -142,6 +165,8 @@ class _ParamGuard(TorchFunctionMode):
         """The wrappers' gathers with something pending, held weakly ([Note: The window
         belongs to the wrapper])."""
         self.on_stack = False
+        self.thread = threading.get_ident()
+        """The thread whose mode stack this guard sits on (it is that thread's guard)."""
         self.depth = 0
         """How many of this guard's calls are running (the mode is off the stack meanwhile)."""
         self.calls = 0
@@ -206,11 +231,87 @@ def disarm(guard: _ParamGuard, gather: _Gathers) -> None:
 
 
 def _collected(guard: _ParamGuard, ref: weakref.ref[_Gathers]) -> None:
-    """A registered gather was collected (its wrapper and optimizer are gone): forgets it and
-    takes the guard off the stack if it was the last one ([Note: The window belongs to the
-    wrapper])."""
+    """A registered gather was collected (its wrapper and optimizer are gone): forgets it; the
+    guard leaves the stack once the collection's caller is past it if it was the last one
+    ([Note: The window belongs to the wrapper], [Note: Leaving after a collection])."""
     guard.refs = [r for r in guard.refs if r is not ref]
-    _leave(guard)
+    leave_after_collection()
+
+
+_logged_deferred = False
+
+
+def leave_after_collection() -> None:
+    """Called by the garbage collector's callbacks (a gather collected): takes this thread's
+    guard off its mode stack at the first point past the collection where no torch dispatch
+    is under way, if nothing is pending then. See [Note: Leaving after a collection]."""
+    global _logged_deferred
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is None or not guard.on_stack or guard.refs:
+        return
+    profile = sys.getprofile()
+    if guard.thread != threading.get_ident() or not (profile is None or type(profile) is _LeaveAtReturn):
+        if not _logged_deferred:
+            _logged_deferred = True
+            logger.info(
+                "A ShardedDataParallel's param gathers were collected on another thread or "
+                "under a profile function: the param-access guard stays on the training "
+                "thread's torch-function mode stack, forwarding calls, until the next forward, "
+                "step() or wait_params() there (see [Note: Leaving after a collection])"
+            )
+        return
+    sys.setprofile(_LeaveAtReturn(guard, _interrupted()))
+
+
+_OWN_MODULES = ("shardkit.optim", "weakref")
+
+
+def _interrupted() -> frozenset[tuple[int, CodeType]]:
+    """The frame a collection interrupted (the innermost one not of this package or of
+    ``weakref``, whose callbacks run it) and its callers, by identity and code (codes outlive
+    frames: no frame is kept alive)."""
+    frame: FrameType | None = sys._getframe(1)  # noqa: SLF001 (Python's own frame access)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OWN_MODULES):
+        frame = frame.f_back
+    frames: set[tuple[int, CodeType]] = set()
+    while frame is not None:
+        frames.add((id(frame), frame.f_code))
+        frame = frame.f_back
+    return frozenset(frames)
+
+
+_DISPATCH_FILE = torch.overrides.__file__
+_CALLER_EVENTS = frozenset({"call", "c_call", "c_return"})
+
+
+class _LeaveAtReturn:
+    """The one-shot profile function of [Note: Leaving after a collection]."""
+
+    def __init__(self, guard: _ParamGuard, frames: frozenset[tuple[int, CodeType]]) -> None:
+        self.guard = guard
+        self.frames = frames
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        # The caller's bytecode runs again: a call from it (of a C or a Python function) or
+        # the return of a C function it called. A function called by C code (a dunder of an
+        # argument while torch parses them) looks called by that frame too, but torch checks
+        # the stack only after parsing; the dispatch itself runs no Python frame outside
+        # torch.overrides.
+        caller = frame.f_back if event == "call" else frame
+        if event not in _CALLER_EVENTS or caller is None:
+            return
+        if (id(caller), caller.f_code) not in self.frames:
+            return
+        outer: FrameType | None = frame
+        while outer is not None:
+            if outer.f_code.co_filename == _DISPATCH_FILE:
+                return  # inside a dispatch of torch.overrides: wait for it to return
+            outer = outer.f_back
+        if self.guard.refs or not self.guard.on_stack:
+            sys.setprofile(None)  # a wrapper armed it again, or it left already
+        elif not self.guard.depth and remove_function_mode(self.guard):
+            self.guard.on_stack = False
+            sys.setprofile(None)
 
 
 def settle() -> None:
@@ -225,6 +326,8 @@ def settle() -> None:
 def _leave(guard: _ParamGuard) -> None:
     if guard.on_stack and not guard.refs and not guard.depth and remove_function_mode(guard):
         guard.on_stack = False
+        if type(sys.getprofile()) is _LeaveAtReturn:
+            sys.setprofile(None)  # a collection's deferred leave: done here already
 
 
 def _touch(gathers: list[_Gathers], a: Any) -> None:
