@@ -86,7 +86,10 @@ def test_a_shard_owner_gets_every_call_and_the_optimizer_frees_its_buffers() -> 
     )
     assert isinstance(opt.shard_layout, ShardLayout)
     assert opt.shard_layout.params == tuple(model.parameters())
-    # The ZeRO-1 flat buffers and the fp32 masters are alive before the hand-over ...
+    # Nothing of ZeRO-1's backend exists before its first use ([Note: Nothing built for a
+    # hand-over]); used once (``opt.optim``), its flat buffers and fp32 masters are alive ...
+    assert opt._local is None
+    assert isinstance(opt.optim, torch.optim.AdamW)
     for p in model.parameters():  # a ShardOwner re-points params into its own buffers
         p.data = p.data.clone()
     before = set(live_storages())
@@ -94,7 +97,9 @@ def test_a_shard_owner_gets_every_call_and_the_optimizer_frees_its_buffers() -> 
     opt.attach_driver(owner)
     after = set(live_storages())
     assert len(before - after) >= 2, "the flat buffers and the masters should be freed"
-    assert opt.driver is owner and not opt.optim.state
+    assert opt.driver is owner and opt._local is None and not opt.state
+    with pytest.raises(RuntimeError, match="holds its sharded state"):
+        opt.optim
     # ... and every call reaches the owner.
     assert opt.step(lambda: 7.0) == 7.0
     opt.zero_grad(set_to_none=False)

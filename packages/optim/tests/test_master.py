@@ -245,7 +245,7 @@ def test_params_already_in_master_dtype_are_a_noop() -> None:
     a, b = _model(torch.float32), _model(torch.float32)
     oa = ShardedOptimizer(_groups(a), torch.optim.Adam, lr=1e-2, master_dtype=torch.float32)
     ob = ShardedOptimizer(_groups(b), torch.optim.Adam, lr=1e-2)
-    assert oa._local.masters is not None and len(oa._local.masters) == 0
+    assert oa._zero1().masters is not None and len(oa._zero1().masters) == 0
     for step in range(3):
         for m, o in ((a, oa), (b, ob)):
             o.zero_grad()
@@ -315,7 +315,7 @@ def test_fp16_scaler_unscales_in_fp32_and_skips_on_every_rank() -> None:
     scaler2.scale(torch.ones(()))
     scaler2.unscale_(opt)
     assert torch.equal(p.grad, torch.full_like(p, 2.0**-10))  # the fp16 grad is untouched
-    assert opt._local.masters is not None and list(opt._local.masters.factors)[0].item() == 2.0**-20
+    assert opt._zero1().masters is not None and list(opt._zero1().masters.factors)[0].item() == 2.0**-20
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
@@ -408,9 +408,9 @@ def test_load_without_masters_takes_the_live_params_and_mismatches_raise() -> No
         opt.load_state_dict({**sd, "master_params": [1, 2]})
     without = {k: v for k, v in sd.items() if k != "master_params"}
     opt.load_state_dict(without)
-    assert opt._local.masters is not None
+    assert opt._zero1().masters is not None
     for p in opt.owned_params:
-        m = opt._local.masters.value(p)
+        m = opt._zero1().masters.value(p)
         assert m is not None and torch.equal(m, p.float())
 
 

@@ -8,13 +8,15 @@ holds a process group, so a plain deepcopy of the module (EMA and eval copies; f
 parity suite) would try to copy the wrapper and fail (``cannot pickle ProcessGroup``); torch
 DDP registers nothing on the module and its module deep-copies cleanly. So:
 
-- every such hook is registered wrapped in :class:`_Hook`, which marks it as the wrapper's;
+- every such hook is registered through :func:`our_hook`, which records it (weakly) as the
+  wrapper's: the registered callable is the wrapper's own bound method, called by torch with
+  no trampoline between;
 - every module that carries one gets a ``__deepcopy__`` *instance* attribute
   (:class:`_PlainCopy`; ``copy.deepcopy`` looks ``__deepcopy__`` up on the object, and
   ``nn.Module`` defines none), which first waits for every deferred param gather (so the copy
   sees finished params), then copies the module the way ``copy.deepcopy`` would without it
   (``__getstate__``, a new instance of the same class, ``__setstate__`` with the deep-copied
-  state), leaving out its own entry and every ``_Hook`` of its hook dicts.
+  state), leaving out its own entry and every recorded hook of its hook dicts.
 
 The params themselves copy as ``nn.Parameter.__deepcopy__`` does: a clone of the param's own
 view of the flat buffer (its numel, not the bucket), without ``.grad`` and without the
@@ -34,20 +36,21 @@ from torch import nn
 __all__: list[str] = []
 
 
-class _Hook:
-    """A module hook of ``ShardedDataParallel``: left out of deep copies."""
+_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""The module hooks of ``ShardedDataParallel`` s, left out of deep copies (held weakly: a hook
+dict that drops one drops it here too)."""
 
-    __slots__ = ("fn",)
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+def our_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Records ``fn`` (the very object to register as a module hook) as a wrapper's hook;
+    returns it."""
+    _OURS.add(fn)
+    return fn
 
 
 class _PlainCopy:
-    """``__deepcopy__`` of one module that carries ``_Hook`` s; see [Note: Plain deepcopy]."""
+    """``__deepcopy__`` of one module that carries a wrapper's hooks; see [Note: Plain
+    deepcopy]."""
 
     __slots__ = ("_module", "_wait")
 
@@ -73,9 +76,10 @@ class _PlainCopy:
 
 
 def _is_ours(hook: object) -> bool:
-    """A hook of the wrapper: a ``_Hook``, or one that torch stored wrapped with its module
-    (``register_load_state_dict_pre_hook`` keeps the hook as the wrapper's ``.hook``)."""
-    return isinstance(hook, _Hook) or isinstance(getattr(hook, "hook", None), _Hook)
+    """A hook of the wrapper (:func:`our_hook`), or one that torch stored wrapped with its
+    module (``register_load_state_dict_pre_hook`` keeps the hook as the wrapper's ``.hook``).
+    ``in`` on a ``WeakSet`` is ``False`` for what cannot be weakly referenced."""
+    return hook in _OURS or getattr(hook, "hook", None) in _OURS
 
 
 def make_deepcopy_plain(module: nn.Module, wait: Callable[[], None]) -> None:

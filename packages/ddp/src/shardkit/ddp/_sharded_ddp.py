@@ -25,7 +25,7 @@ from shardkit.ddp._checks import (
     optimizers_of,
 )
 from shardkit.ddp._config import ShardedDataParallelConfig
-from shardkit.ddp._module_copy import _Hook, drop_deepcopy_plain, make_deepcopy_plain
+from shardkit.ddp._module_copy import drop_deepcopy_plain, make_deepcopy_plain, our_hook
 from shardkit.ddp._profiling import phase
 from shardkit.optim import (
     CommStats,
@@ -232,15 +232,17 @@ class ShardedDataParallel(nn.Module):
         self.is_multi_device_module = len(devices) > 1
         self.device_type = next(iter(devices)).type if devices else "cpu"
         self._handles: list[Any] = []
+        pre_forward = our_hook(self._pre_forward)  # one object per hook: [Note: Plain deepcopy]
+        before_state_dict = our_hook(self._before_state_dict)
         for sub in module.modules():
             if sub is module or next(sub.parameters(recurse=False), None) is not None:
                 # See [Note: Deferred param gather] in shardkit.optim._gather: every module that
                 # holds params waits before its forward, its state_dict() and load_state_dict()
                 hooked = cast(Any, sub)
                 self._handles += [
-                    hooked.register_forward_pre_hook(_Hook(self._pre_forward)),
-                    hooked.register_state_dict_pre_hook(_Hook(self._before_state_dict)),
-                    hooked.register_load_state_dict_pre_hook(_Hook(self._before_state_dict)),
+                    hooked.register_forward_pre_hook(pre_forward),
+                    hooked.register_state_dict_pre_hook(before_state_dict),
+                    hooked.register_load_state_dict_pre_hook(before_state_dict),
                 ]
                 make_deepcopy_plain(sub, self.wait_params)  # See [Note: Plain deepcopy]
         self._engine.attach()  # See [Note: Optimizer hand-over]
@@ -256,7 +258,7 @@ class ShardedDataParallel(nn.Module):
         prints: list[str] = [f"reduce_dtype={config.wire_dtype}"]
         first = 0
         for k, o in enumerate(opts):
-            flags = [is_elementwise(type(o.optim), config.elementwise)] * len(o.param_groups)
+            flags = [is_elementwise(o.optim_class, config.elementwise)] * len(o.param_groups)
             mine, group_prints = build_flat_buckets(
                 o.param_groups, flags, self.world_size, config.cap_bytes, config.first_cap_bytes,
                 first_index=first, bucket_type=FlatBucket, compact_state=o.compact_state,

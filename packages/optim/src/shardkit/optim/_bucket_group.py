@@ -128,7 +128,7 @@ class BucketGroup(ShardOwner):
         self.life = GroupLife(f"{NAME} (optimizer {self.index})", buckets)
         """The group's state machine: see [Note: Bucket group state]."""
         self.stepper = ShardStepper(
-            buckets, type(opt.optim), opt.param_groups, dict(opt.defaults), self.comm.rank,
+            buckets, opt.optim_class, opt.param_groups, dict(opt.defaults), self.comm.rank,
             opt.master_dtype, master_remainder=opt.master_remainder,
         )  # fmt: skip
         _allocate_grad_shards(buckets)

@@ -42,7 +42,7 @@ from shardkit.optim._agreement import (
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
 from shardkit.optim._compact import stores_compact
-from shardkit.optim._compact_optim import check_compact, dequantize_state_dict
+from shardkit.optim._compact_optim import check_compact, compact_class, dequantize_state_dict
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
@@ -61,6 +61,7 @@ from shardkit.optim._state import (
     _install_state,
     _local_groups,
     _OwnerState,
+    _ShardState,
     _StateFlag,
 )
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
@@ -194,8 +195,12 @@ class ShardedOptimizer(Optimizer):
         self._driver: StepDriver | None = None  # See [Note: Step drivers].
         super().__init__(params, defaults)
         self._layout: ShardLayout
-        self._local: LocalShards  # this rank's ZeRO-1 shard
-        self._backend: ShardOwner  # who holds the state: _local, or the attached ShardOwner
+        # This rank's ZeRO-1 shard, built at its first use: see [Note: Nothing built for a
+        # hand-over]. ``_owner``: the attached ShardOwner holding the state instead, if any.
+        self._local: LocalShards | None = None
+        self._carried: dict[int, dict[str, Any]] = {}
+        self._owner: ShardOwner | None = None
+        self._class_defaults: dict[str, Any] | None = None
         self._rebuild(migrate=False)
         check_param_order(self._layout.params, self.group)  # [Note: Param order fingerprint]
         channel(self.group)  # every rank, here: see [Note: Agreement over the store]
@@ -203,10 +208,11 @@ class ShardedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ layout
     def _rebuild(self, migrate: bool) -> None:
-        """(Re)partitions the params and builds this rank's ZeRO-1 backend. Collective."""
+        """(Re)partitions the params; ZeRO-1's backend is built at first use. Collective."""
         if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
             agree_call(REPARTITION_CALL, self.group, self._timeout)
         params = [p for g in self.param_groups for p in g["params"]]
+        self._fill_group_defaults(params)
         mask = bytes(int(p.requires_grad) for p in params)
         agree_partition_inputs(
             params,
@@ -221,7 +227,7 @@ class ShardedOptimizer(Optimizer):
         )
         check_consistent(params, group=self.group)
         carried: dict[int, dict[str, Any]] = {}
-        if migrate:  # every param's state (and master) moves to its new owner
+        if migrate and self._local is not None:  # every param's state (and master) moves
             old = self._local
             owned = old.owned_entries()
             full = _consolidate(owned, self.group, self.rank, -1, set())
@@ -237,26 +243,73 @@ class ShardedOptimizer(Optimizer):
                 self._imposed = None
         if self._compact is not None and self.master_dtype is None:
             _check_compact_params(params, self._compact)
-        layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
-        self._local = LocalShards(
-            self.param_groups,
-            layout,
-            self._optim_cls,
-            self._optim_defaults,
-            self.group,
-            self.broadcast_fp16,
-            self.master_dtype,
-            self._master_grad_bucket_bytes,
-            self._timeout,
-            carried,
-            self._compact,
-            self.master_remainder,
-            self._compact_compile,
-        )
-        self._backend = self._local
-        self._layout = layout
-        self.state = _install_state(self._local.optim, self._state_flag)
+        self._layout = _build_layout(self.param_groups, self.world_size, self._algorithm, imposed)
+        self._local = None
+        self._carried = carried
+        self.state = _ShardState(dict)
+        self.state.flag = self._state_flag
+        if carried:
+            self._zero1()  # the carried state lands now, while its tensors are live anyway
         self._state_version += 1
+
+    # [Note: Nothing built for a hand-over]
+    # ``ShardedOptimizer(...)`` is built before the wrapper that may take its step over
+    # (``ShardedDataParallel(model, opt)``: ZeRO-2's engine holds the state then). So the
+    # constructor builds only what every mode needs (the partition, the agreements); ZeRO-1's
+    # backend (``LocalShards``: the wrapped optimizer, fp32 masters, flat sync buffers) is built
+    # at its first use (a step, a state dict, ``optim``, a clip), and never under ZeRO-2: nothing
+    # is allocated to be freed at the hand-over. ``self.state`` is the wrapped optimizer's state
+    # mapping from the start (empty and falsy until a step or a load: [Note: State truthiness]).
+    def _fill_group_defaults(self, params: Sequence[torch.Tensor]) -> None:
+        """Gives every param group the optimizer class's defaults it lacks, as the wrapped
+        optimizer's constructor would: on every rank alike, built or not ([Note: Nothing built
+        for a hand-over]). The class's full defaults come from an instance on a
+        stand-in for the first param: its shape, dtype and device in one element of memory (a
+        stride-0 view: optimizers that check shapes, like Muon's 2-D rule, see the param's;
+        torch optimizers create their state at the first step)."""
+        if self._class_defaults is None:
+            like = params[0] if params else torch.empty(0)
+            dtype = like.dtype if like.is_floating_point() else torch.float32
+            probe = torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
+            probe.requires_grad_()
+            group = self.optim_class([probe], **self._optim_defaults).param_groups[0]
+            self._class_defaults = {k: v for k, v in group.items() if k != "params"}
+        for g in self.param_groups:
+            for k, v in self._class_defaults.items():
+                g.setdefault(k, copy.deepcopy(v))
+
+    def _zero1(self) -> LocalShards:
+        """This rank's ZeRO-1 backend, built on first use ([Note: Nothing built for a
+        hand-over])."""
+        if self._local is None:
+            self._local = LocalShards(
+                self.param_groups,
+                self._layout,
+                self._optim_cls,
+                self._optim_defaults,
+                self.group,
+                self.broadcast_fp16,
+                self.master_dtype,
+                self._master_grad_bucket_bytes,
+                self._timeout,
+                self._carried,
+                self._compact,
+                self.master_remainder,
+                self._compact_compile,
+            )
+            self._carried = {}
+            if isinstance(self.state, _ShardState):  # no ShardOwner shows its state instead
+                local = self._local
+                for p, st in self.state.items():  # an owned param's state written before
+                    if st and id(p) in local.slot:  # the build (rare): kept
+                        local.optim.state.setdefault(local.opt_tensor(p), st)
+                self.state = _install_state(local.optim, self._state_flag)
+        return self._local
+
+    @property
+    def _backend(self) -> ShardOwner:
+        """Who holds the state: the attached :class:`ShardOwner`, else ZeRO-1's backend."""
+        return self._owner if self._owner is not None else self._zero1()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group; after construction this repartitions (collective)."""
@@ -332,7 +385,16 @@ class ShardedOptimizer(Optimizer):
     def optim(self) -> Optimizer:
         """The wrapped torch optimizer, on this rank's params (no state while a
         :class:`ShardOwner` holds it: see [Note: Step drivers])."""
-        return self._local.optim
+        return self._zero1_only("optim").optim
+
+    @property
+    def optim_class(self) -> type[Optimizer]:
+        """The torch optimizer class that steps this rank's shard (under ``compact_state``, the
+        compact subclass of the class passed): what ZeRO-1's :attr:`optim` is an instance of,
+        and ZeRO-2's local optimizers too."""
+        if self._compact is None:
+            return self._optim_cls
+        return compact_class(self._optim_cls, self._compact, compiled=self._compact_compile)
 
     @property
     def compact_state(self) -> str | None:
@@ -457,7 +519,7 @@ class ShardedOptimizer(Optimizer):
                 self._state_version += 1
             return loss
         self._check_before_step()  # may repartition: a new backend
-        loss = self._local.step(closure, **kwargs)
+        loss = self._zero1().step(closure, **kwargs)
         self._stepped()
         return loss
 
@@ -486,9 +548,13 @@ class ShardedOptimizer(Optimizer):
             )
         self._driver = driver
         if isinstance(driver, ShardOwner):
-            # The params now live in the driver's buffers: forget ours without touching them.
-            self._local.release()
-            self._backend = driver
+            # The params now live in the driver's buffers: forget ours without touching them
+            # (built only if something used it before: [Note: Nothing built for a hand-over]).
+            if self._local is not None:
+                self._local.release()
+                self._local = None
+            self._carried = {}
+            self._owner = driver
             self._consolidations.drop()
             # See [Note: Optimizer state under ZeRO-2] in shardkit.optim._state
             self.state = _OwnerState(driver, self._state_flag)  # type: ignore[assignment]
@@ -501,9 +567,9 @@ class ShardedOptimizer(Optimizer):
             RuntimeError: the attached driver is a ``ShardOwner``, which holds the state for
                 good: build a new ShardedOptimizer instead.
         """
-        if self._backend is not self._local:
+        if self._owner is not None:
             raise RuntimeError(
-                f"{self._backend.name} owns this optimizer's sharded state and cannot be "
+                f"{self._owner.name} owns this optimizer's sharded state and cannot be "
                 f"detached; build a new ShardedOptimizer to train without it"
             )
         self._driver = None
@@ -527,13 +593,13 @@ class ShardedOptimizer(Optimizer):
     def _zero1_only(self, what: str) -> LocalShards:
         """This optimizer's own backend, for what only it does (partitions, per-param steps and
         syncs, per-param masters); raises while a :class:`ShardOwner` holds the state."""
-        if self._backend is not self._local:
+        if self._owner is not None:
             raise RuntimeError(
-                f"{what}: {self._backend.name} fixed this optimizer's params and bucket layout "
+                f"{what}: {self._owner.name} fixed this optimizer's params and bucket layout "
                 f"at construction and holds its sharded state; build a new ShardedOptimizer and "
                 f"wrapper instead"
             )
-        return self._local
+        return self._zero1()
 
     # ------------------------------------------------------------------ gradients
     def _unscale_for_scaler(
@@ -692,7 +758,7 @@ class ShardedOptimizer(Optimizer):
         for wg, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             wg.update(copy.deepcopy(_hyperparams(sg)))  # [Note: One owner of hyper-parameters]
         if not isinstance(self.state, _OwnerState):  # [Note: Optimizer state under ZeRO-2]
-            self.state = _install_state(self._local.optim, self._state_flag)
+            self.state = _install_state(self._zero1().optim, self._state_flag)
         self._stepped()
 
     def master_model_state_dict(
