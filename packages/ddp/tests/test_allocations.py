@@ -7,8 +7,9 @@ backward (the gradient hooks, the end-of-backward flush), clipping and the step.
 construction ([Note: Counting our allocations] in ``shardkit.testing._allocations``): the
 gradient the autograd kernel allocates for each param and the model's activations (not ours to
 remove), and what a collective allocates inside its own implementation (Gloo's reduce-scatter
-clones the chunks it does not own and its all-gather receives into a buffer of its own: [Note:
-Gloo list collectives] in ``shardkit.optim._comm``; NCCL allocates neither).
+clones the chunks it does not own: [Note: Gloo list collectives] in ``shardkit.optim._comm``;
+the all-gather is one broadcast per rank on Gloo, which allocates nothing: [Note: Gloo
+all-gather by broadcasts]; NCCL allocates neither).
 
 64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
 bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256

@@ -142,7 +142,7 @@ class _ParamGather:
         """Forgets the gathers whose work has finished (nothing to wait for): a wrapper whose
         last gathers nothing touches leaves the guard ([Note: Param access guard])."""
         for index, pending in list(self.pending.items()):
-            if pending.work is None or pending.work.is_completed():
+            if pending.done():
                 self.wait(index)
 
     def _drained(self) -> None:
