@@ -228,6 +228,35 @@ def test_guard_leaves_the_stack_under_the_users_modes() -> None:
     assert _stack() == before
 
 
+@pytest.mark.parametrize("path", ["c++", "python"])
+@world(2)
+def test_guard_leaves_right_after_the_call_that_completed_the_last_gather(path: str) -> None:
+    """A torch call that reads every param after ``step()`` waits for every gather inside the
+    guard's own call; the guard is off the stack by the next statement, with no wrapper call
+    in between ([Note: Leaving after a collection] in shardkit.optim._guard), whichever
+    dispatch path (C++ for ``torch._foreach_norm``, ``torch.overrides`` for a Python-level
+    torch function) made the call."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
+    before = _clean()
+    for step in range(3):
+        sdp(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        guard = _guard()
+        assert _stack() == [*before, guard]
+        params = list(m.parameters())
+        if path == "c++":
+            norms = torch._foreach_norm(params)
+        else:
+            norms = [torch.functional.norm(p) for p in params]  # Python dispatch, one per param
+        assert _stack() == before, step
+        assert not sdp._engine.groups[0].gather.pending
+        assert all(n.isfinite() for n in norms)
+
+
 @world(2)
 def test_guard_is_not_armed_without_overlap() -> None:
     torch.manual_seed(0)

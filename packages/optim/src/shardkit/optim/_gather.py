@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from shardkit.optim._comm import _Comm, _Pending
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_after_collection, settle
+from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_when_safe, settle
 from shardkit.optim._lifecycle import GroupLife
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import profiling
@@ -158,7 +158,7 @@ def _collected(comm: _Comm, pending: Mapping[int, _Pending]) -> None:
     else is pending ([Note: Leaving after a collection] in ``shardkit.optim._guard``)."""
     for work in list(pending.values()):
         comm.wait(work)
-    leave_after_collection()
+    leave_when_safe()
 
 
 def _log_profiling_once() -> None:

@@ -44,22 +44,27 @@ its thread) holds keeps a wrapper, its optimizers or its model alive. So:
   or the collection of a wrapper's gathers (a weakref callback and a finaliser), wherever it
   sits in the stack (the user may have entered modes above it; see
   ``shardkit.optim._torch_compat``). It cannot leave from inside its own call (torch pushes a
-  mode back when its ``__torch_function__`` returns): between the gather the guard itself
-  completed and the next of those points, each torch call pays a pass-through;
+  mode back when its ``__torch_function__`` returns): when its own call (a wait, or a poll
+  that found the works finished) completed the last pending gather, it leaves as soon as the
+  caller's code runs again, as after a collection ([Note: Leaving after a collection]);
 - a finished model is collected after ``del ddp, opt, model; gc.collect()`` with no other call:
   the collected gather's finaliser waits for its works still in flight first (the backends
   keep the buffers they write alive anyway), so nothing is freed while a gather writes into it,
   and the guard leaves before the caller's next call ([Note: Leaving after a collection]).
 
 [Note: Leaving after a collection]
-A collection runs wherever the interpreter allocates, also inside a torch call between torch's
+The guard leaves the stack at points where no torch call of this thread is under way; two
+events that end its window happen at other points: its own call completed the last gather
+(torch pushes the guard back when that call returns), or a collection. A collection runs
+wherever the interpreter allocates, also inside a torch call between torch's
 check that a mode is on the stack and its pop of that mode (Python's ``handle_torch_function``
 and the C++ argument parser both allocate there). Taking the guard off the stack at that moment
 would empty the stack under that pop ("trying to pop from empty mode stack") or leave the call
-without an implementation. So a collection never touches the stack itself: it installs a
-one-shot profile function on the guard's thread (:func:`leave_after_collection`) that takes
-the guard off at the first point where the frame the collection interrupted, or one of its
-callers, runs its own bytecode again (a call it makes, or the return of a C function it
+without an implementation. So neither touches the stack itself: each installs a one-shot
+profile function on the guard's thread (:func:`leave_when_safe`) that takes
+the guard off at the first point where the frame the event interrupted (the innermost one
+outside this package, ``weakref`` and ``torch.overrides``), or one of its callers, runs its
+own bytecode again (a call it makes, or the return of a C function it
 called), with no frame of ``torch.overrides`` on the stack: by then the call the collection
 interrupted has finished, with any dispatch in it (torch's C++ dispatch runs no Python frame
 between its check and its pop; its Python one runs in ``torch.overrides``). After ``del ddp,
@@ -198,6 +203,8 @@ class _ParamGuard(TorchFunctionMode):
                         g.forget_finished()
             finally:
                 self.depth -= 1
+            if not self.refs:  # this call completed the last gather
+                leave_when_safe()  # See [Note: Leaving after a collection]
         return func(*args, **kwargs)
 
     @property
@@ -235,16 +242,17 @@ def _collected(guard: _ParamGuard, ref: weakref.ref[_Gathers]) -> None:
     guard leaves the stack once the collection's caller is past it if it was the last one
     ([Note: The window belongs to the wrapper], [Note: Leaving after a collection])."""
     guard.refs = [r for r in guard.refs if r is not ref]
-    leave_after_collection()
+    leave_when_safe()
 
 
 _logged_deferred = False
 
 
-def leave_after_collection() -> None:
-    """Called by the garbage collector's callbacks (a gather collected): takes this thread's
-    guard off its mode stack at the first point past the collection where no torch dispatch
-    is under way, if nothing is pending then. See [Note: Leaving after a collection]."""
+def leave_when_safe() -> None:
+    """Takes this thread's guard off its mode stack at the next point where no torch dispatch
+    is under way, if nothing is pending then: called where that cannot be done at once (the
+    garbage collector's callbacks, the guard's own call). See [Note: Leaving after a
+    collection]."""
     global _logged_deferred
     guard: _ParamGuard | None = getattr(_local, "guard", None)
     if guard is None or not guard.on_stack or guard.refs:
@@ -254,22 +262,23 @@ def leave_after_collection() -> None:
         if not _logged_deferred:
             _logged_deferred = True
             logger.info(
-                "A ShardedDataParallel's param gathers were collected on another thread or "
-                "under a profile function: the param-access guard stays on the training "
-                "thread's torch-function mode stack, forwarding calls, until the next forward, "
-                "step() or wait_params() there (see [Note: Leaving after a collection])"
+                "ShardedDataParallel's param-access guard could not schedule its leave (a "
+                "collection on another thread, or another profile function installed): it "
+                "stays on the training thread's torch-function mode stack, forwarding calls, "
+                "until the next forward, step() or wait_params() there (see [Note: Leaving "
+                "after a collection] in shardkit.optim._guard)"
             )
         return
     sys.setprofile(_LeaveAtReturn(guard, _interrupted()))
 
 
-_OWN_MODULES = ("shardkit.optim", "weakref")
+_OWN_MODULES = ("shardkit.optim", "weakref", "torch.overrides")
 
 
 def _interrupted() -> frozenset[tuple[int, CodeType]]:
-    """The frame a collection interrupted (the innermost one not of this package or of
-    ``weakref``, whose callbacks run it) and its callers, by identity and code (codes outlive
-    frames: no frame is kept alive)."""
+    """The frame the event interrupted (the innermost one not of this package, of ``weakref``,
+    whose callbacks run it, or of ``torch.overrides``, whose dispatch runs the guard) and its
+    callers, by identity and code (codes outlive frames: no frame is kept alive)."""
     frame: FrameType | None = sys._getframe(1)  # noqa: SLF001 (Python's own frame access)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_OWN_MODULES):
         frame = frame.f_back
