@@ -155,11 +155,12 @@ def test_zero1_only_calls_raise_clearly_under_the_wrapper_and_leave_it_usable() 
     for what, call in (
         ("step_local", opt.step_local),
         ("sync_params", opt.sync_params),
-        ("refresh_trainable", opt.refresh_trainable),
         ("master_model_state_dict", lambda: opt.master_model_state_dict(m)),
     ):
         with pytest.raises(RuntimeError, match=f"{what}: shardkit.ddp.ShardedDataParallel fixed this"):
             call()
+    with pytest.raises(RuntimeError, match=r"call the wrapper's refresh_trainable\(\) instead"):
+        opt.refresh_trainable()
     before = _snapshot(m)
     opt.step()  # still usable: the refused calls moved nothing
     assert not _unchanged(before, m)

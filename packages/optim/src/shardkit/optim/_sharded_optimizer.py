@@ -364,7 +364,13 @@ class ShardedOptimizer(Optimizer):
         The state of every param is all-gathered once to move it to its new owner: this is meant
         for occasional changes, not every step.
         """
-        self._zero1_only("refresh_trainable")
+        if self._owner is not None:
+            raise RuntimeError(
+                f"refresh_trainable: {self._owner.name} holds this optimizer's sharded state "
+                f"and re-plans its own buckets when requires_grad changes: call the wrapper's "
+                f"refresh_trainable() instead (its next training forward does, with "
+                f"auto_refresh_trainable=True, the default)"
+            )
         self._rebuild(migrate=True)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
