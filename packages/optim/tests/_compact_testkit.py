@@ -118,15 +118,12 @@ def masters_step(
     for f in grad_factors:
         ms.factors.add(f)
     part = [s for s, g in zip(items, grads, strict=True) if g is not None]
-    flats = ms.load(part, [g for g in grads if g is not None], ms.kept)
-    try:
-        compact_adam_step(
-            [s.opt for s in items], [s.opt.grad for s in items], states, scratch=scratch, **kw
-        )
-        ms.write_back(part)
-    finally:
-        ms.release(part)
-    del flats
+
+    def run() -> None:  # what the compact optimizer's step does with the masters
+        opt = [s.opt for s in items]
+        compact_adam_step(opt, [t.grad for t in opt], states, scratch=scratch, **kw)
+
+    ms.step(part, [g for g in grads if g is not None], ms.kept, run)
     if masters is not None:
         return [s.opt for s in items], None
     return None, [s.remainder for s in items if s.remainder is not None]

@@ -9,8 +9,9 @@ remainders, an int16 remainder beside the bf16 tensor ([Note: Remainder masters]
 everything the masters do, for both engines: making them (:meth:`MasterSet.attach`), reading
 and writing their exact values (:meth:`Stepped.value`, :meth:`Stepped.set`), re-seeding them
 from params written by someone else (:meth:`MasterSet.reseed_written`), the step of one part
-of them (:meth:`MasterSet.load`: the gradients upcast with the pending factors, remainder
-masters joined; :meth:`MasterSet.write_back`: cast or split back; :meth:`MasterSet.release`),
+of them (:meth:`MasterSet.step`: :meth:`~MasterSet.load` the gradients upcast with the pending
+factors and the remainder masters joined, the local optimizer's step, :meth:`~MasterSet.write_back`
+cast or split back, :meth:`~MasterSet.release`),
 the parts' scratch bytes (:meth:`MasterSet.cost`, :func:`pack`) and the bytes held
 (:meth:`MasterSet.nbytes`). The engines decide which tensors are stepped, which gradient each
 one has and which memory a part's scratch is (ZeRO-1's own buffers, :meth:`MasterSet.kept`;
@@ -390,6 +391,24 @@ class MasterSet:
         if values is None or values.numel() < joined:
             values = self._kept[(1, device)] = torch.empty(joined, dtype=self.dtype, device=device)
         return grads[:n], values[:joined]
+
+    def step(
+        self,
+        part: Sequence[Stepped],
+        grads: Sequence[torch.Tensor],
+        scratch: Scratch,
+        run: Callable[[], object],
+    ) -> None:
+        """Steps ``part`` (stepped tensors with a master, one gradient each): :meth:`load`,
+        ``run()`` (the local optimizer's step over them), :meth:`write_back`; then
+        :meth:`release`, whether the step was done or failed. See [Note: Master weights]."""
+        flats = self.load(part, grads, scratch)
+        try:
+            run()
+            self.write_back(part)
+        finally:
+            self.release(part)
+        del flats
 
     def load(
         self, part: Sequence[Stepped], grads: Sequence[torch.Tensor], scratch: Scratch

@@ -27,6 +27,7 @@ so the replicas agree before the next sync.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Set
 from datetime import timedelta
@@ -252,7 +253,8 @@ class LocalShards(ShardOwner):
         wanted = None if params is None else {id(p) for p in params}
         owned = [p for ps in self.owned_groups for p in ps if wanted is None or id(p) in wanted]
         # See [Note: Params written outside the optimizer].
-        log_reseeded(masters.reseed_written(s for p in owned if (s := masters.get(p))))
+        stepped = [s for p in owned if (s := masters.get(p)) is not None]
+        log_reseeded(masters.reseed_written(stepped))
 
         def cost(p: torch.Tensor) -> int:  # what a param adds to its chunk's scratch
             s = masters.get(p)
@@ -260,13 +262,8 @@ class LocalShards(ShardOwner):
 
         for chunk in pack(owned, cost, self.chunk_bytes):
             part = [s for p in chunk if (s := masters.get(p)) is not None and p.grad is not None]
-            flats = masters.load(part, [_grad(s.param) for s in part], masters.kept)
-            try:
-                self._step_narrowed(chunk, None, **kwargs)
-                masters.write_back(part)
-            finally:
-                masters.release(part)
-            del flats
+            run = functools.partial(self._step_narrowed, chunk, None, **kwargs)
+            masters.step(part, [_grad(s.param) for s in part], masters.kept, run)
         return loss
 
     def sync_params(
