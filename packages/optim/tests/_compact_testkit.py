@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 from shardkit.optim._compact import CompactTensor, moment_formats, stores_compact
+from shardkit.optim._compact_step import AdamState, StepScratch, compact_adam_step
+from shardkit.optim._master_set import MasterSet, Stepped
+from shardkit.optim._remainder import join_master
 from torch import nn
 
-__all__ = ["J", "K", "Reference", "equal", "groups", "loss", "model", "train"]
+__all__ = ["J", "K", "Reference", "equal", "groups", "loss", "masters_step", "model", "train"]
 
 K, J = 3, 2  # steps before and after a checkpoint
 
@@ -86,3 +89,41 @@ def train(model: nn.Module, opt: Any, steps: int, start: int = 0) -> None:
 def equal(a: nn.Module, b: nn.Module, what: str) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), f"{what}: {name} differs by {(p.float() - q.float()).abs().max()}"
+
+
+def masters_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    states: list[AdamState],
+    *,
+    masters: list[torch.Tensor] | None = None,
+    remainders: list[torch.Tensor] | None = None,
+    grad_factors: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
+    scratch: StepScratch | None = None,
+    **kw: Any,
+) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """One compact step of bf16/fp16 ``params`` through the library's path of master weights:
+    a ``MasterSet`` (``_master_set.py``) made from the exact ``masters`` (or the params and
+    ``remainders``) upcasts the gradients times ``grad_factors`` (and joins the remainder
+    masters), :func:`compact_adam_step` steps the fp32 masters, the masters cast (or split)
+    back into ``params``, in place. Returns the new ``(masters, remainders)``."""
+    ms = MasterSet(torch.float32, remainder=remainders is not None)
+    items = [Stepped(p, p) for p in params]
+    if masters is not None:
+        values = masters
+    else:
+        assert remainders is not None
+        values = [join_master(p, r) for p, r in zip(params, remainders, strict=True)]
+    ms.attach(items, list(values))
+    for f in grad_factors:
+        ms.factors.add(f)
+    part = [s for s, g in zip(items, grads, strict=True) if g is not None]
+
+    def run() -> None:  # what the compact optimizer's step does with the masters
+        opt = [s.opt for s in items]
+        compact_adam_step(opt, [t.grad for t in opt], states, scratch=scratch, **kw)
+
+    ms.step(part, [g for g in grads if g is not None], ms.kept, run)
+    if masters is not None:
+        return [s.opt for s in items], None
+    return None, [s.remainder for s in items if s.remainder is not None]

@@ -3,7 +3,8 @@
 ``compact_adam_step(compiled=True)`` must leave the same bytes as ``compiled=False`` (params,
 masters, remainders, codes, scale bits, step counts) for every option: int8 / int4, amsgrad,
 maximize, Adam's and AdamW's weight decay, single / foreach / fused, fp32 params, bf16 / fp16
-params with fp32 masters, bf16 params with int16 remainders, gradient factors, edge shapes
+params with fp32 masters, bf16 params with int16 remainders, gradient factors (the last three
+through the library's path of master weights, ``_master_set.py``, around the step), edge shapes
 (``()``, ``(1,)``, 0-size, a few elements, a block cut short, more than one compiled chunk) and
 special values (inf, NaN, signed zeros, subnormals). A second step must not compile again, a
 failed compilation must fall back to the eager step (logged once), and ``compiled=False``
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from _compact_testkit import masters_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardkit.optim import ShardedOptimizer
@@ -102,10 +104,15 @@ def _step_both(
     """One step of a copy with the eager step and one with the compiled step."""
     eager, compiled = _clone(run), _clone(run)
     for r, flag in ((eager, False), (compiled, True)):
-        compact_adam_step(
-            r["params"], grads, r["states"], masters=r["masters"], remainders=r["remainders"],
-            compiled=flag, scratch=StepScratch(), **kw,
-        )  # fmt: skip
+        if r["masters"] is None and r["remainders"] is None:
+            compact_adam_step(
+                r["params"], grads, r["states"], compiled=flag, scratch=StepScratch(), **kw
+            )
+        else:  # bf16 / fp16 params: the library's masters around the step of fp32 masters
+            r["masters"], r["remainders"] = masters_step(
+                r["params"], grads, r["states"], masters=r["masters"],
+                remainders=r["remainders"], compiled=flag, scratch=StepScratch(), **kw,
+            )  # fmt: skip
     return eager, compiled
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compact_testkit import masters_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shardkit.optim._compact_step import AdamState, compact_adam_step
+from shardkit.optim._compact_step import AdamState
 from shardkit.optim._remainder import join_master, split_master
 
 _SETTINGS = settings(
@@ -174,8 +175,11 @@ def test_step_through_remainders_is_the_fp32_master_step(
     param, rem = split_master(master)
     state = [AdamState.zeros(master, kind)]
     for grad in grads:
-        compact_adam_step([ref_param], [grad], ref_state, masters=[ref_master], **hp)  # type: ignore[arg-type]
-        compact_adam_step([param], [grad], state, remainders=[rem], **hp)  # type: ignore[arg-type]
+        # the library's path of master weights (_master_set.py) around the compact step
+        masters, _ = masters_step([ref_param], [grad], ref_state, masters=[ref_master], **hp)
+        _, remainders = masters_step([param], [grad], state, remainders=[rem], **hp)
+        assert masters is not None and remainders is not None
+        ref_master, rem = masters[0], remainders[0]
         assert torch.equal(_bits(join_master(param, rem)), _bits(ref_master))
         assert torch.equal(_bits(param.float()), _bits(split_master(ref_master)[0].float()))
         b = _bits(ref_master)

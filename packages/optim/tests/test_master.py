@@ -25,7 +25,7 @@ from shardkit.optim import (
     load_sharded,
     save_sharded,
 )
-from shardkit.optim._master import _Masters
+from shardkit.optim._master_set import MasterSet
 from shardkit.testing import world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -257,14 +257,14 @@ def test_params_already_in_master_dtype_are_a_noop() -> None:
 @world(2)
 def test_master_grad_chunks_bound_the_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes: list[int] = []
-    original = _Masters.load_grads
+    original = MasterSet.load
 
-    def recording(self: _Masters, chunk: Any) -> list[torch.Tensor]:
-        flats = original(self, chunk)
+    def recording(self: MasterSet, *args: Any) -> list[torch.Tensor]:
+        flats = original(self, *args)
         sizes.append(sum(f.numel() * f.element_size() for f in flats))
         return flats
 
-    monkeypatch.setattr(_Masters, "load_grads", recording)
+    monkeypatch.setattr(MasterSet, "load", recording)
     model = _model()
     opt = ShardedOptimizer(
         model.parameters(), torch.optim.Adam, master_dtype=torch.float32, master_grad_bucket_bytes=512

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from _optim_testkit import save_run
 from shardkit.optim import ShardedOptimizer, load_sharded
 from shardkit.optim._compact import CompactTensor
+from shardkit.optim._master_set import MasterSet
 from shardkit.optim._remainder import split_master
-from shardkit.optim._remainder_masters import RemainderMasters
 from shardkit.testing import live_storages, world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -360,7 +360,7 @@ def test_masters_hold_two_bytes_per_bf16_param() -> None:
         held[remainder] = sum(after.values()) - sum(before.values())  # net: params moved
         if remainder:
             masters = opt._local.masters
-            assert isinstance(masters, RemainderMasters)
+            assert isinstance(masters, MasterSet) and masters.remainder
             owned = sum(p.numel() for p in opt.owned_params)
             nbytes = masters.nbytes()
             assert nbytes["remainders"] == 2 * owned and nbytes["masters"] == 0

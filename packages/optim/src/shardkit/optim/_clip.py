@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from shardkit.optim._dist import AllGather, _comm_device, _reduces_on
-from shardkit.optim._master import _Masters
+from shardkit.optim._master_set import MasterSet
 from shardkit.optim._torch_compat import all_gather_single
 
 __all__ = [
@@ -199,7 +199,7 @@ def _clip_grad_norm(
     max_f: float,
     norm_f: float,
     group: dist.ProcessGroup,
-    masters: _Masters | None = None,
+    masters: MasterSet | None = None,
 ) -> torch.Tensor:
     """ZeRO-1's clip, with arguments from :func:`check_clip_args`: see [Note: Sharded grad
     norm]; with ``masters``, [Note: Master weights]."""
@@ -220,7 +220,7 @@ def _clip_grad_norm(
     return norm.total
 
 
-def _norms(p: torch.Tensor, norm_type: float, masters: _Masters | None) -> torch.Tensor:
+def _norms(p: torch.Tensor, norm_type: float, masters: MasterSet | None) -> torch.Tensor:
     """:func:`block_norms` of ``p``'s gradient; with a master, of its upcast gradient times the
     pending factors (computed on one param's fp32 temporary, as the step will see it)."""
     g = p.grad

@@ -1,10 +1,9 @@
 """The compact Adam / AdamW step with compiled kernels per chunk (issue 51).
 
 :func:`fused_param_step` steps a param whose moments are all compact, :data:`FUSED_CHUNK`
-elements at a time: one ``torch.compile``-d kernel dequantizes the moments (and upcasts the
-gradient, joins the remainder master), torch's own functional Adam steps the chunk on that
-fp32 scratch, and a second compiled kernel quantizes the moments back (and splits the
-remainder master); see [Note: Compiled step, same bytes]. It replaces the eager codec's dozen
+elements at a time: one ``torch.compile``-d kernel dequantizes the moments, torch's own
+functional Adam steps the chunk on that fp32 scratch, and a second compiled kernel quantizes
+the moments back; see [Note: Compiled step, same bytes]. It replaces the eager codec's dozen
 passes per moment and per-chunk dispatch; torch's Adam itself runs as in the eager step.
 
 [Note: Compiled step, same bytes]
@@ -24,8 +23,7 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   compiled;
 * the compiled kernels run the eager step's own functions (``_compact._decode`` and
   ``_encode_rows``: ``map[code] * scale``; block extremes, one division, integer ops, a table
-  lookup; ``join_master`` / ``split_master``: integer ops) and its gradient upcast and factors
-  in order, and inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
+  lookup), and inductor's C++ is compiled with ``-ffp-contract=off`` and without unsafe math
   (:data:`COMPILE_OPTIONS`, pinned explicitly): the C++ compiler may neither contract a
   multiply and an add into an FMA nor reorder;
 * the kernels see one shape (``dynamic=False``): every chunk is :data:`FUSED_CHUNK` elements,
@@ -35,14 +33,13 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   the quantize kernel carries no mask (a mask in it cost 1.4 ns per element, a quarter of
   the kernel). Nothing that changes per step (learning rate, step count) is a constant of
   the kernels, so a step never recompiles: one compilation per variant
-  (:class:`_Variant`: formats, amsgrad, masters, dtypes, number of gradient factors), once per
+  (:class:`_Variant`: the moments' formats, so amsgrad too), once per
   process (inductor's on-disk cache makes later processes cheaper). The kernels run with the
   torch-function mode stack set aside (``_torch_compat.no_function_modes``): a mode would be
   traced into the graph and its state guarded, which recompiles when that state changes.
 
-Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, the gradient
-(masters) and the joined master (remainders), 1 MiB each, allocated once per thread and
-device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
+Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, 1 MiB each,
+allocated once per thread and device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
 checks the bytes against the eager step for every option, edge shapes and specials, and that
 a second step does not compile again.
 """
@@ -60,7 +57,6 @@ from typing import Any
 import torch
 from shardkit.optim._compact import CompactFormat, CompactTensor, _decode, _encode_rows
 from shardkit.optim._compact_maps import Tables, lookup_tables
-from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._torch_compat import no_function_modes
 
 __all__ = [
@@ -92,10 +88,6 @@ class _Variant:
 
     formats: tuple[CompactFormat, ...]
     """The moments' formats (2, or 3 with amsgrad)."""
-    source: str
-    """``"plain"`` (an fp32 param stepped in place), ``"master"`` or ``"remainder"``."""
-    grad_dtype: torch.dtype
-    n_factors: int
 
 
 def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]]:
@@ -106,40 +98,20 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
         tables: list[Tables],
-        grad: torch.Tensor,
-        factors: torch.Tensor,
-        param: torch.Tensor,
-        remainder: torch.Tensor,
         out: list[torch.Tensor],
-        grad_out: torch.Tensor,
-        value_out: torch.Tensor,
     ) -> None:
         for k, fmt in enumerate(v.formats):
             _decode(codes[k], scales[k], tables[k].pairs, fmt.block, out[k])
-        if v.source != "plain":
-            g = grad.float()
-            for k in range(v.n_factors):  # one multiply each, in order: as _master.py does
-                g = g * factors[k]
-            grad_out.copy_(g)
-        if v.source == "remainder":
-            value_out.copy_(join_master(param, remainder))
 
     def quantize(
         new: list[torch.Tensor],
         tables: list[Tables],
         codes: list[torch.Tensor],
         scales: list[torch.Tensor],
-        value: torch.Tensor,
-        param: torch.Tensor,
-        remainder: torch.Tensor,
     ) -> None:
         # a short chunk's padding is zero here: see [Note: Compiled step, same bytes]
         for k, fmt in enumerate(v.formats):
             _encode_rows(new[k].view(-1, fmt.block), scales[k], codes[k], 0, fmt.qmap, tables[k])
-        if v.source == "remainder":
-            p, r = split_master(value)
-            param.copy_(p)
-            remainder.copy_(r)
 
     return dequantize, quantize
 
@@ -203,16 +175,12 @@ def _code_range(fmt: CompactFormat, lo: int, hi: int) -> slice:
     return slice(lo, hi) if fmt.bits == 8 else slice(lo // 2, (hi + 1) // 2)
 
 
-def fused_eligible(
-    param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object], source: str
-) -> bool:
+def fused_eligible(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object]) -> bool:
     """Whether the compiled step can step this param (else the eager step does): CPU, every
-    moment compact, contiguous tensors, an fp32 gradient for a plain param."""
+    moment compact, contiguous tensors, an fp32 gradient."""
     if param.device.type != "cpu" or not all(isinstance(m, CompactTensor) for m in moments):
         return False
-    if source == "plain" and grad.dtype != torch.float32:
-        return False
-    return grad.is_floating_point() and grad.is_contiguous() and param.is_contiguous()
+    return grad.dtype == torch.float32 and grad.is_contiguous() and param.is_contiguous()
 
 
 @dataclass(frozen=True)
@@ -221,18 +189,12 @@ class _Chunk:
 
     codes: list[torch.Tensor]
     scales: list[torch.Tensor]
-    grad: torch.Tensor
-    param: torch.Tensor
-    remainder: torch.Tensor
 
 
 def fused_param_step(
     param: torch.Tensor,
     grad: torch.Tensor,
     moments: Sequence[CompactTensor],
-    master: torch.Tensor | None,
-    remainder: torch.Tensor | None,
-    factors: Sequence[torch.Tensor],
     step: torch.Tensor,
     step_copy: torch.Tensor,
     functional: Callable[..., None],
@@ -248,13 +210,7 @@ def fused_param_step(
     """
     if _state["unavailable"] is not None:
         return 0
-    source = "remainder" if remainder is not None else "master" if master is not None else "plain"
-    variant = _Variant(
-        tuple(m.fmt for m in moments),
-        source,
-        grad.dtype,
-        max(2, len(factors)) if source != "plain" else 0,
-    )
+    variant = _Variant(tuple(m.fmt for m in moments))
     try:
         dequantize, quantize = _compiled(variant)
     except Exception as exc:  # torch.compile itself refused (no dynamo on this Python, ...)
@@ -262,72 +218,42 @@ def fused_param_step(
         return 0
     device = param.device
     tables = [lookup_tables(m.fmt.map_name, device) for m in moments]
-    fac = torch.ones(variant.n_factors, dtype=torch.float32, device=device)
-    for k, f in enumerate(factors):
-        fac[k] = f.to(dtype=torch.float32)
     new = [_scratch(f"new{k}", torch.float32, FUSED_CHUNK, device) for k in range(len(moments))]
-    grad32 = _scratch("grad", torch.float32, FUSED_CHUNK, device)
-    joined = _scratch("value", torch.float32, FUSED_CHUNK, device)
-    none = {dt: _scratch("none", dt, 0, device) for dt in (grad.dtype, param.dtype, torch.int16)}
     numel = param.numel()
     for lo in range(0, numel, FUSED_CHUNK):
         hi = min(lo + FUSED_CHUNK, numel)
         n = hi - lo
-        chunk = _chunk(moments, grad, param, remainder, source, lo, hi, none)
+        chunk = _chunk(moments, device, lo, hi)
         try:
             with no_function_modes():  # See [Note: Compiled step, same bytes]
-                dequantize(
-                    chunk.codes, chunk.scales, tables, chunk.grad, fac,
-                    chunk.param, chunk.remainder, new, grad32, joined,
-                )  # fmt: skip
+                dequantize(chunk.codes, chunk.scales, tables, new)
         except Exception as exc:  # compiling failed (no C++ compiler, ...): this chunk untouched
             _give_up(f"{type(exc).__name__}: {exc}")
             return lo
-        value = (
-            joined[:n] if source == "remainder" else (param if master is None else master)[lo:hi]
-        )
-        g = grad[lo:hi] if source == "plain" else grad32[:n]
         step_copy.copy_(step)
         functional(
-            [value], [g], [new[0][:n]], [new[1][:n]], [new[2][:n]] if len(new) > 2 else [],
-            [step_copy], has_complex=False, **kwargs,
+            [param[lo:hi]], [grad[lo:hi]], [new[0][:n]], [new[1][:n]],
+            [new[2][:n]] if len(new) > 2 else [], [step_copy], has_complex=False, **kwargs,
         )  # fmt: skip
         if n < FUSED_CHUNK:  # the padding must not move the last block's scale
             for scratch in new:
                 scratch[n:].zero_()
         try:
             with no_function_modes():
-                quantize(
-                    new, tables, chunk.codes, chunk.scales, joined, chunk.param, chunk.remainder
-                )  # fmt: skip
+                quantize(new, tables, chunk.codes, chunk.scales)
         except Exception as exc:  # compiling failed: this chunk ends as the eager step does
             _give_up(f"{type(exc).__name__}: {exc}")
             for k, m in enumerate(moments):
                 m.quantize_range_(lo, new[k][:n])
-            if remainder is not None:
-                split_master(joined[:n], param[lo:hi], remainder[lo:hi])
-            if master is not None:
-                param[lo:hi].copy_(master[lo:hi])
             return hi
         if n < FUSED_CHUNK:
-            _copy_back(chunk, moments, param, remainder, source, lo, hi)
-        if master is not None:
-            param[lo:hi].copy_(master[lo:hi])
+            _copy_back(chunk, moments, lo, hi)
     return numel
 
 
-def _chunk(
-    moments: Sequence[CompactTensor],
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    remainder: torch.Tensor | None,
-    source: str,
-    lo: int,
-    hi: int,
-    none: dict[torch.dtype, torch.Tensor],
-) -> _Chunk:
+def _chunk(moments: Sequence[CompactTensor], device: torch.device, lo: int, hi: int) -> _Chunk:
     """Views of chunk ``[lo, hi)``, or zero-padded copies when it is short."""
-    n, device = hi - lo, param.device
+    n = hi - lo
     codes = [m.codes[_code_range(m.fmt, lo, hi)] for m in moments]
     scales = [m.scales[lo // m.fmt.block : -(-hi // m.fmt.block)] for m in moments]
     full = n == FUSED_CHUNK
@@ -348,28 +274,11 @@ def _chunk(
         padded(f"scales{k}", s, FUSED_CHUNK // m.fmt.block)
         for k, (s, m) in enumerate(zip(scales, moments, strict=True))
     ]
-    if source == "plain":
-        g, p, r = none[grad.dtype], none[param.dtype], none[torch.int16]
-    else:
-        g = padded("grad_in", grad[lo:hi], FUSED_CHUNK)
-        if source == "remainder" and remainder is not None:
-            p = padded("param_in", param[lo:hi], FUSED_CHUNK)
-            r = padded("remainder_in", remainder[lo:hi], FUSED_CHUNK)
-        else:
-            p, r = none[param.dtype], none[torch.int16]
-    return _Chunk(codes, scales, g, p, r)
+    return _Chunk(codes, scales)
 
 
-def _copy_back(
-    chunk: _Chunk,
-    moments: Sequence[CompactTensor],
-    param: torch.Tensor,
-    remainder: torch.Tensor | None,
-    source: str,
-    lo: int,
-    hi: int,
-) -> None:
-    """A short chunk's results, from its padded copies into the state and the param."""
+def _copy_back(chunk: _Chunk, moments: Sequence[CompactTensor], lo: int, hi: int) -> None:
+    """A short chunk's results, from its padded copies into the state."""
     n = hi - lo
     for k, m in enumerate(moments):
         dst = m.codes[_code_range(m.fmt, lo, hi)]
@@ -378,6 +287,3 @@ def _copy_back(
             dst[-1:].bitwise_and_(0xF0)
         sdst = m.scales[lo // m.fmt.block : -(-hi // m.fmt.block)]
         sdst.copy_(chunk.scales[k][: sdst.numel()])
-    if source == "remainder" and remainder is not None:
-        param[lo:hi].copy_(chunk.param[:n])
-        remainder[lo:hi].copy_(chunk.remainder[:n])

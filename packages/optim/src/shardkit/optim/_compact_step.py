@@ -16,29 +16,27 @@ on the global flat index] in ``_compact.py``), and items are packed into *batche
 1. each compact moment of each item is dequantized into its slice of an fp32 scratch buffer
    (one per moment, ``chunk`` elements, allocated once per :class:`StepScratch`); plain moments
    are passed as views of themselves;
-2. the fp32 value being stepped is the param itself (fp32 params), its fp32 master (``masters``:
-   a bf16/fp16 model), or the master joined from a bf16 param and its int16 remainder into
-   scratch (``remainders``, see [Note: Exact 16-bit remainder masters] in ``_remainder.py``); a
-   gradient of another dtype is upcast into scratch and multiplied by ``grad_factors`` in order
-   (the loss scaler's ``1 / scale``, the clip coefficient: as ``_master.py`` does);
+2. the value stepped is the tensor itself: an fp32 param, or the fp32 master of a bf16/fp16
+   one (the masters of ``_master_set.py`` hand the optimizer their master, its upcast
+   gradient already multiplied by the pending factors, and cast or split the new value back
+   after the step: [Note: Master weights]);
 3. torch's functional Adam runs once on the batch's lists, with one step tensor per item,
    copied from the param's step count before the call (torch increments it in the call), so
    each item gets its param's own bias correction;
-4. the moments are quantized back from scratch, and the new value is written into the model's
-   param (``param.copy_(master)``, or :func:`split_master` for remainders).
+4. the moments are quantized back from scratch.
 
 After the last batch each stepped param's step count is incremented once. Params whose gradient
 is ``None`` are skipped: state, step count and value unchanged. So the result equals, bit for
 bit, torch's optimizer on the dequantized moments followed by quantizing them (the reference
 of ``tests/test_compact_step.py``): every op is element-wise, and the chunks are views.
 
-Transient memory: the scratch (``4 * chunk`` bytes per buffer: 2 moments, 3 with ``amsgrad``,
-plus grads when upcast and masters when joined), torch's temporaries for one batch, and the
-quantizer's for one item (see [Note: Bounded transient memory] in ``_compact.py``). Measured
+Transient memory: the scratch (``4 * chunk`` bytes per buffer: 2 moments, 3 with ``amsgrad``),
+torch's temporaries for one batch, and the quantizer's for one item (see [Note: Bounded
+transient memory] in ``_compact.py``). Measured
 (``test_compact_step.py::test_step_transient_memory``, live tensor storages at their peak, any
-inner implementation): 20 bytes per chunk element for fp32 params, 24 with fp32 masters, 37
-with remainders; 1.3 / 1.5 / 2.3 MiB at the default chunk of 64 Ki elements, whatever the
-params' sizes.
+inner implementation): 20 bytes per chunk element, 1.3 MiB at the default chunk of 64 Ki
+elements, whatever the params' sizes (the masters' upcast gradients and joined remainder
+masters are their own scratch: ``_master_set.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
 from shardkit.optim._compact_fused import fused_eligible, fused_param_step
 from shardkit.optim._profiling import profiler_range
-from shardkit.optim._remainder import join_master, split_master
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 
@@ -190,40 +187,19 @@ def _check_inputs(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     states: Sequence[AdamState],
-    masters: Sequence[torch.Tensor | None],
-    remainders: Sequence[torch.Tensor | None],
     chunk: int,
     impl: str,
     amsgrad: bool,
 ) -> None:
     n = len(params)
-    for name, seq in (
-        ("grads", grads),
-        ("states", states),
-        ("masters", masters),
-        ("remainders", remainders),
-    ):
+    for name, seq in (("grads", grads), ("states", states)):
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries, params {n}: one per param")
     if impl not in ("single", "foreach", "fused"):
         raise ValueError(f"impl must be 'single', 'foreach' or 'fused', got {impl!r}")
     if not isinstance(chunk, int) or chunk <= 0 or chunk % 256:
         raise ValueError(f"chunk must be a positive multiple of 256 elements, got {chunk!r}")
-    for i, (p, g, st, m, r) in enumerate(
-        zip(params, grads, states, masters, remainders, strict=True)
-    ):
-        if m is not None and r is not None:
-            raise ValueError(f"param {i} has both a master and a remainder: give one")
-        value = p if m is None else m
-        if r is not None and (
-            p.dtype != torch.bfloat16 or r.dtype != torch.int16 or r.shape != p.shape
-        ):
-            raise TypeError(
-                f"param {i}: a remainder master needs a bf16 param and an int16 remainder of its "
-                f"shape, got {p.dtype} {tuple(p.shape)} and {r.dtype} {tuple(r.shape)}"
-            )
-        if m is not None and m.shape != p.shape:
-            raise ValueError(f"param {i}: master {tuple(m.shape)} vs param {tuple(p.shape)}")
+    for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
         if g is not None and (g.shape != p.shape or g.is_sparse):
             raise ValueError(
                 f"param {i}: gradient must be dense with the param's shape {tuple(p.shape)}, got "
@@ -241,17 +217,17 @@ def _check_inputs(
                         f"param {i}: {name} stands for {mom.numel} elements, the param has "
                         f"{p.numel()}"
                     )
-                stepped = torch.float32 if (m is not None or r is not None) else p.dtype
-                if stepped != torch.float32:
+                if p.dtype != torch.float32:
                     raise TypeError(
                         f"param {i}: compact moments step an fp32 value, but the param is "
-                        f"{p.dtype} without a master; give it an fp32 master (masters=) or a "
-                        f"remainder (remainders=), or keep its state full precision"
+                        f"{p.dtype}; give it an fp32 master (step the master: "
+                        f"ShardedOptimizer(master_dtype=torch.float32)) or keep its state full "
+                        f"precision"
                     )
-            elif not isinstance(mom, torch.Tensor) or mom.shape != value.shape:
+            elif not isinstance(mom, torch.Tensor) or mom.shape != p.shape:
                 raise ValueError(
                     f"param {i}: {name} must be a CompactTensor or a tensor of shape "
-                    f"{tuple(value.shape)}, got {type(mom).__name__}"
+                    f"{tuple(p.shape)}, got {type(mom).__name__}"
                 )
 
 
@@ -268,9 +244,6 @@ def compact_adam_step(
     amsgrad: bool = False,
     maximize: bool = False,
     impl: Impl = "foreach",
-    masters: Sequence[torch.Tensor | None] | None = None,
-    remainders: Sequence[torch.Tensor | None] | None = None,
-    grad_factors: Sequence[torch.Tensor] = (),
     scratch: StepScratch | None = None,
     compiled: bool = False,
 ) -> None:
@@ -280,19 +253,14 @@ def compact_adam_step(
     ones (one param group per call).
 
     Args:
-        params: the model's params (or contiguous pieces of them). fp32 ones are stepped in
-            place; bf16/fp16 ones need a master or a remainder when their state is compact.
+        params: the tensors stepped in place (params, fp32 masters, or contiguous pieces of
+            them); compact state needs fp32 ones.
         grads: their gradients (``None``: not stepped, state unchanged).
         states: their state (:meth:`AdamState.zeros` before the first step).
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``.
         decoupled_weight_decay: AdamW's weight decay (``torch.optim.AdamW``).
         impl: which of torch's implementations steps each batch: ``"single"``
             (``foreach=False``), ``"foreach"`` or ``"fused"``.
-        masters: per param, its fp32 master (stepped; then cast into the param) or ``None``.
-        remainders: per param, the int16 remainder of a bf16 param (see ``_remainder.py``) or
-            ``None``; the param and remainder are rewritten from the stepped master.
-        grad_factors: 0-d tensors multiplying the upcast fp32 gradients of params with a master
-            or remainder, in order (a loss scaler's ``1 / scale``, a clip coefficient).
         scratch: buffers to reuse across calls (a new one per call when ``None``).
         compiled: dequantize and requantize the params whose moments are all compact (on
             the CPU) with ``torch.compile``-d kernels, around the same torch Adam call: the
@@ -301,10 +269,8 @@ def compact_adam_step(
             compilation fails, the eager step runs (logged once).
     """
     n = len(params)
-    masters = [None] * n if masters is None else list(masters)
-    remainders = [None] * n if remainders is None else list(remainders)
     scratch = StepScratch() if scratch is None else scratch
-    _check_inputs(params, grads, states, masters, remainders, scratch.chunk, impl, amsgrad)
+    _check_inputs(params, grads, states, scratch.chunk, impl, amsgrad)
     stepped = [i for i in range(n) if grads[i] is not None]
     if not stepped:
         return
@@ -326,23 +292,11 @@ def compact_adam_step(
     starts: dict[int, int] = {}
     if compiled:
         stepped_eager, starts = _step_compiled(
-            stepped, params, grads, states, masters, remainders, grad_factors, scratch,
-            functional, kwargs,
-        )  # fmt: skip
+            stepped, params, grads, states, scratch, functional, kwargs
+        )
     numels = [p.numel() for p in params]
     for batch in _items(numels, stepped_eager, scratch.chunk, starts):
-        _step_batch(
-            batch,
-            params,
-            grads,
-            states,
-            masters,
-            remainders,
-            grad_factors,
-            scratch,
-            functional,
-            kwargs,
-        )
+        _step_batch(batch, params, grads, states, scratch, functional, kwargs)
     for i in stepped:
         states[i].step.add_(1)
 
@@ -352,9 +306,6 @@ def _step_compiled(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     states: Sequence[AdamState],
-    masters: Sequence[torch.Tensor | None],
-    remainders: Sequence[torch.Tensor | None],
-    grad_factors: Sequence[torch.Tensor],
     scratch: StepScratch,
     functional: Callable[..., None],
     kwargs: dict[str, Any],
@@ -365,11 +316,10 @@ def _step_compiled(
     starts: dict[int, int] = {}
     amsgrad = bool(kwargs["amsgrad"])
     for i in stepped:
-        p, g, st, m, r = params[i], grads[i], states[i], masters[i], remainders[i]
+        p, g, st = params[i], grads[i], states[i]
         assert g is not None  # only params with a gradient are stepped
         moments = [mom for _, mom in st.moments()[: 3 if amsgrad else 2]]
-        source = "remainder" if r is not None else "master" if m is not None else "plain"
-        if not fused_eligible(p, g, moments, source):
+        if not fused_eligible(p, g, moments):
             left.append(i)
             continue
         with profiler_range("shardkit.compact.compiled"):
@@ -377,9 +327,6 @@ def _step_compiled(
                 _flat(p, f"param {i}"),
                 _flat(g, f"grad {i}"),
                 [mom for mom in moments if isinstance(mom, CompactTensor)],
-                None if m is None else _flat(m, f"master {i}"),
-                None if r is None else _flat(r, f"remainder {i}"),
-                grad_factors,
                 st.step,
                 scratch.step_copies(st.step.device, 1)[0],
                 functional,
@@ -396,9 +343,6 @@ def _step_batch(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     states: Sequence[AdamState],
-    masters: Sequence[torch.Tensor | None],
-    remainders: Sequence[torch.Tensor | None],
-    grad_factors: Sequence[torch.Tensor],
     scratch: StepScratch,
     functional: Callable[..., None],
     kwargs: dict[str, Any],
@@ -414,28 +358,13 @@ def _step_batch(
     with profiler_range("shardkit.compact.dequantize"):
         for item in batch:
             i, lo, hi = item.index, item.lo, item.hi
-            p, m, r, st = params[i], masters[i], remainders[i], states[i]
+            p, st = params[i], states[i]
             device = p.device
             sl = slice(off, off + hi - lo)
-            if m is not None:
-                value = _flat(m, f"master {i}")[lo:hi]
-            elif r is not None:
-                value = join_master(
-                    _flat(p, f"param {i}")[lo:hi],
-                    _flat(r, f"remainder {i}")[lo:hi],
-                    out=scratch.buffer("value", device)[sl],
-                )
-            else:
-                value = _flat(p, f"param {i}")[lo:hi]
+            value = _flat(p, f"param {i}")[lo:hi]
             grad = grads[i]
             assert grad is not None  # only stepped params make items
             g = _flat(grad, f"grad {i}")[lo:hi]
-            if m is not None or r is not None:
-                up = scratch.buffer("grad", device)[sl]
-                up.copy_(g)
-                for factor in grad_factors:  # one multiply each, in order: as _master.py does
-                    up.mul_(factor.to(device=device, dtype=torch.float32))
-                g = up
             for name, mom in st.moments()[: 3 if amsgrad else 2]:
                 if isinstance(mom, CompactTensor):
                     buf = scratch.buffer(name, device)[sl]
@@ -467,14 +396,6 @@ def _step_batch(
             for name, mom in states[i].moments()[: 3 if amsgrad else 2]:
                 if isinstance(mom, CompactTensor):
                     mom.quantize_range_(lo, moments[name][k])
-            if masters[i] is not None:
-                _flat(params[i], f"param {i}")[lo:hi].copy_(values[k])
-            elif (r := remainders[i]) is not None:
-                split_master(
-                    values[k],
-                    _flat(params[i], f"param {i}")[lo:hi],
-                    _flat(r, f"remainder {i}")[lo:hi],
-                )
 
 
 def _step_copies(

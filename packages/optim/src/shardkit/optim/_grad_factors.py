@@ -1,7 +1,7 @@
 """The pending multiplications of fp32 gradients (loss scaler's ``1/scale``, clip coefficient).
 
-ZeRO-1's masters (``_master.py``) and ZeRO-2's :class:`~shardkit.optim.ShardStepper` queue the
-same factors and apply them the same way: see [Note: Master weights].
+The masters of ZeRO-1 and ZeRO-2 (one :class:`~shardkit.optim._master_set.MasterSet` each) queue
+the same factors and apply them the same way: see [Note: Master weights].
 """
 
 from __future__ import annotations

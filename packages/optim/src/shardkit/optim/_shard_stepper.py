@@ -10,7 +10,9 @@ owns. Their ``.grad`` are views of the bucket's reduced ``grad_shard``. With ``m
 copy in ``master_dtype``, created from the live values, which the local optimizer steps
 instead; the new values are cast back into the buffer after the step, and the gradients are
 upcast just before it, bucket by bucket, with the pending factors (clip coefficient) applied in
-fp32 (see [Note: Stepping masters bucket by bucket]).
+fp32 (see [Note: Stepping masters bucket by bucket]). The masters are a
+:class:`~shardkit.optim._master_set.MasterSet` of the entries' stepped tensors, the one
+implementation ZeRO-1 uses too.
 
 [Note: Stepping masters bucket by bucket]
 The fp32 gradients of the masters are not all alive at once: the local optimizer steps the
@@ -37,26 +39,18 @@ the driver's to say (``unused`` of :meth:`ShardStepper.step`): shardkit-ddp OR-s
 usage mask over the ranks with one small all-reduce per step.
 
 [Note: Remainder masters under ZeRO-2]
-With ``master_remainder=True`` a bf16 tensor's fp32 master is the tensor itself (its high 16
-bits) plus an int16 remainder (``_remainder.py``'s [Note: Exact 16-bit remainder masters]):
-views of one flat int16 buffer per device, 2 bytes per element where an fp32 master takes 4.
-The local optimizer keys its state by tensor object, so each such entry's ``master`` is a
-persistent fp32 *handle* that points at nothing outside the step (a stride-0 view of one
-element) and, during its bucket's step, at the joined master in the step's scratch, beside the
-upcast gradients; a bucket is stepped in as many parts as it takes to fit the scratch of fp32
-masters (:meth:`ShardStepper.scratch_bytes`: one bucket's upcast gradients), so remainders do
-not make the driver keep more staging memory (only a single piece larger than half of it
-needs more: its gradient and joined master at once). The stepped value is split
-back into the tensor (nearest, ties away from zero) and the remainder. Updates are bit for bit
-those of fp32 masters. Everything that reads or writes a master (state dicts, checkpoints,
-loads) goes through :meth:`ShardEntry.master_value` / :meth:`ShardEntry.set_master`, which
-join or split exactly. A write of the param by anyone else replaces the high half, and the
-remainder alone cannot tell what the master was, so a moved version counter resets the
-remainder to 0 (the master is then exactly the written bf16 value). The engine's own writes
-do not count: the split and the param all-gather write views of the bucket's flat buffer, which
-share no version counter with the params (their ``.data`` was re-pointed at it); where the
-stepped tensor is the param itself (whole-param buckets) its counter is recorded after the
-split.
+With ``master_remainder=True`` each bf16 stepped tensor keeps its exact fp32 master as itself
+plus an int16 remainder, stepped through a handle ([Note: Remainder masters] in
+``_master_set.py``): the remainders are views of one flat int16 buffer per device, 2 bytes per
+element where an fp32 master takes 4. The joined masters sit in the step's lent scratch beside
+the upcast gradients; a bucket is stepped in as many parts as it takes to fit the scratch of
+fp32 masters (:meth:`ShardStepper.scratch_bytes`: one bucket's upcast gradients), so
+remainders do not make the driver keep more staging memory (only a single piece larger than
+half of it needs more: its gradient and joined master at once). Version counters ([Note:
+Params written outside the optimizer]): the engine's own writes do not count: the split and
+the param all-gather write views of the bucket's flat buffer, which share no version counter
+with the params (their ``.data`` was re-pointed at it); where the stepped tensor is the param
+itself (whole-param buckets) its counter is recorded after the write-back.
 
 [Note: Fused steps of cut params]
 Element-wise arithmetic is the same on a piece as on the whole param, except in one place:
@@ -81,11 +75,10 @@ from shardkit.optim._compact import CompactTensor
 from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._grad_factors import GradFactors
-from shardkit.optim._master import log_reseeded, reseed_written, unscale_grads
-from shardkit.optim._remainder import join_master, split_master
+from shardkit.optim._master import unscale_grads
+from shardkit.optim._master_set import MasterSet, Stepped, log_reseeded, pack
 from shardkit.optim._state import _hyperparams as hyperparams
 from shardkit.optim._state import share_hyperparams
-from shardkit.optim._torch_compat import tensor_version
 from torch.optim import Optimizer
 
 __all__ = ["ShardEntry", "ShardStepper"]
@@ -104,22 +97,32 @@ class ShardEntry:
     """Position of the param in the bucket."""
     start: int
     """Start of its gradient in ``bucket.grad_shard``."""
-    tensor: torch.Tensor
-    """The model-side tensor (a view of the bucket's buffer): the param itself (whole-param
-    bucket) or a 1-D piece of it (fragment bucket)."""
-    master: torch.Tensor | None
-    """Its master copy in ``master_dtype`` (stepped instead of ``tensor``), or ``None``."""
+    stepped: Stepped
+    """The stepped tensor and its master (``_master_set.py``): the param itself (whole-param
+    bucket) or a 1-D piece of it (fragment bucket), a view of the bucket's buffer."""
     lo: int = 0
     """First element of the param this entry covers (0 for a whole param)."""
-    remainder: torch.Tensor | None = None
-    """With ``master_remainder``, the int16 remainder of a bf16 tensor: its master is
-    ``join_master(tensor, remainder)`` and ``master`` is a handle that points at the joined
-    value during the step only ([Note: Remainder masters under ZeRO-2])."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The model-side tensor (a view of the bucket's buffer)."""
+        return self.stepped.tensor
+
+    @property
+    def master(self) -> torch.Tensor | None:
+        """Its master in ``master_dtype`` (stepped instead of ``tensor``), a remainder master's
+        handle ([Note: Remainder masters]), or ``None``."""
+        return self.stepped.master
+
+    @property
+    def remainder(self) -> torch.Tensor | None:
+        """With ``master_remainder``, the int16 remainder of a bf16 tensor."""
+        return self.stepped.remainder
 
     @property
     def opt(self) -> torch.Tensor:
         """What the local optimizer steps: the master, else the tensor."""
-        return self.tensor if self.master is None else self.master
+        return self.stepped.opt
 
     @property
     def fragment(self) -> bool:
@@ -129,35 +132,16 @@ class ShardEntry:
     @property
     def param(self) -> torch.Tensor:
         """The whole param this entry steps (a part of)."""
-        return self.bucket.params[self.position]
+        return self.stepped.param
 
     def master_value(self) -> torch.Tensor:
-        """The exact master value (a new tensor for a remainder; the master itself else)."""
-        if self.remainder is not None:
-            return join_master(self.tensor.detach(), self.remainder)
-        assert self.master is not None  # callers check the entry has a master
-        return self.master
+        """The exact master value (:meth:`Stepped.value`)."""
+        return self.stepped.value()
 
     def set_master(self, value: torch.Tensor | None) -> None:
-        """Sets the master exactly from ``value`` (or the live tensor when ``None``); a
-        remainder master is split into the tensor (rounded) and its remainder."""
-        with torch.no_grad():
-            if self.remainder is not None:
-                if value is None:
-                    self.remainder.zero_()
-                else:
-                    v = (
-                        value.detach()
-                        .to(self.tensor.device, torch.float32)
-                        .reshape(self.tensor.shape)
-                    )
-                    split_master(
-                        v.contiguous(), param_out=self.tensor, remainder_out=self.remainder
-                    )
-            elif self.master is not None:
-                self.master.copy_(
-                    self.tensor if value is None else value.reshape(self.master.shape)
-                )
+        """Sets the master exactly from ``value`` (or the live tensor when ``None``):
+        :meth:`Stepped.set`."""
+        self.stepped.set(value)
 
     def grad(self) -> torch.Tensor:
         """Its part of the bucket's reduced ``grad_shard`` (a view)."""
@@ -196,34 +180,32 @@ class ShardStepper:
         self.master_remainder = master_remainder
         """bf16 tensors keep an int16 remainder instead of an fp32 master ([Note: Remainder
         masters under ZeRO-2])."""
-        self._master_size = (
-            torch.empty((), dtype=master_dtype).element_size() if master_dtype is not None else 0
+        self.masters: MasterSet | None = (
+            None if master_dtype is None else MasterSet(master_dtype, master_remainder)
         )
-        """Bytes of one ``master_dtype`` element (the upcast gradients')."""
-        self._idle: dict[torch.device, torch.Tensor] = {}
-        """Per device, the one fp32 element idle remainder handles are stride-0 views of."""
-        self.factors = GradFactors()
+        """The masters of the stepped tensors of another dtype ([Note: Master weights])."""
+        self.factors = GradFactors() if self.masters is None else self.masters.factors
         """Pending gradient factors (loss scaler's ``1/scale``, clip coefficient) for tensors
-        with masters, applied in fp32 at the step, in order."""
-        self.versions: dict[int, int] = {}
-        """``id(param) -> version counter`` of the params with masters when the masters were
-        last made or loaded ([Note: Params written outside the optimizer])."""
+        with masters, applied in fp32 at the step, in order (the masters' own)."""
         self.entries: list[list[ShardEntry]] = [[] for _ in param_groups]
         """Per param group, the tensors this rank steps."""
         for b in buckets:
             start, _ = b.range_of(rank)
             if b.elementwise:  # See [Note: Per-param fragments]
                 for i, lo, hi in b.pieces(rank):
-                    piece = b.flat[lo:hi]
+                    piece = Stepped(b.flat[lo:hi], b.params[i])
                     self.entries[b.group].append(
-                        ShardEntry(
-                            b, i, min(max(lo - start, 0), b.shard), piece, None, lo - b.offsets[i]
-                        )
+                        ShardEntry(b, i, min(max(lo - start, 0), b.shard), piece, lo - b.offsets[i])
                     )
             else:
                 for i, p in b.owned_params(rank):
-                    self.entries[b.group].append(ShardEntry(b, i, b.offsets[i] - start, p, None))
-        self._make_masters()
+                    self.entries[b.group].append(
+                        ShardEntry(b, i, b.offsets[i] - start, Stepped(p, b.params[i]))
+                    )
+        if self.masters is not None:  # from the live values, one flat buffer per device
+            dtype = self.masters.dtype
+            needs = [e.stepped for e in self.all_entries() if e.tensor.dtype != dtype]
+            self.masters.attach(needs, pooled=True)
         self._budget = self.scratch_bytes()
         """:meth:`scratch_bytes`, for :meth:`_sub_chunks` (the entries are fixed)."""
         groups = [
@@ -239,70 +221,19 @@ class ShardStepper:
             # buckets] in shardkit.optim._flat)
             set_global_numels(self.local, {e.opt: e.param.numel() for e in self.all_entries()})
 
-    def _make_masters(self) -> None:
-        """Gives every entry of another dtype than ``master_dtype`` its master, created from the
-        live values: views of one flat buffer per device, allocated once (a gradient-sized
-        buffer per piece would scatter the allocator's heap)."""
-        dtype = self.master_dtype
-        if dtype is None:
-            return
-        needs = [e for e in self.all_entries() if e.tensor.dtype != dtype]
-        if self.master_remainder and dtype == torch.float32:
-            split = [e for e in needs if e.tensor.dtype == torch.bfloat16]
-            self._make_remainders(split)
-            needs = [e for e in needs if e.remainder is None]
-        sizes: dict[torch.device, int] = {}
-        for e in needs:
-            sizes[e.tensor.device] = sizes.get(e.tensor.device, 0) + e.tensor.numel()
-        flats = {d: torch.empty(n, dtype=dtype, device=d) for d, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        with torch.no_grad():
-            for e in needs:
-                d, n = e.tensor.device, e.tensor.numel()
-                e.master = flats[d][offsets[d] : offsets[d] + n].view(e.tensor.shape)
-                e.master.copy_(e.tensor)
-                offsets[d] += n
-        self.mark_masters_current()
-
-    def _make_remainders(self, entries: list[ShardEntry]) -> None:
-        """Remainders (zero: the master is the live value) and idle handles for ``entries``,
-        the remainders views of one flat int16 buffer per device."""
-        sizes: dict[torch.device, int] = {}
-        for e in entries:
-            sizes[e.tensor.device] = sizes.get(e.tensor.device, 0) + e.tensor.numel()
-        flats = {d: torch.zeros(n, dtype=torch.int16, device=d) for d, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        for e in entries:
-            d, n = e.tensor.device, e.tensor.numel()
-            e.remainder = flats[d][offsets[d] : offsets[d] + n].view(e.tensor.shape)
-            offsets[d] += n
-            e.master = torch.empty(0, dtype=torch.float32, device=d)
-            self._point_idle(e)
-
-    def _point_idle(self, e: ShardEntry) -> None:
-        """Points a remainder entry's handle at nothing (a stride-0 view of one element)."""
-        base = self._idle.get(e.tensor.device)
-        if base is None:
-            base = self._idle[e.tensor.device] = torch.zeros(1, device=e.tensor.device)
-        assert e.master is not None  # remainder entries have a handle
-        idle = base.as_strided(e.tensor.shape, (0,) * e.tensor.dim())
-        e.master.set_(idle.untyped_storage(), idle.storage_offset(), idle.shape, idle.stride())
-
     def mark_masters_current(self) -> None:
         """Records the version counters of the params with masters: the masters are the truth
         from here (made, or loaded). See [Note: Params written outside the optimizer]."""
-        for e in self.all_entries():
-            if e.master is not None:
-                self.versions[id(e.param)] = tensor_version(e.param)
+        if self.masters is not None:
+            self.masters.mark_current(e.param for e in self.all_entries())
 
     def reseed(self, param: torch.Tensor) -> None:
         """The master of ``param`` (if it has one) becomes its current value: it was re-linked
         into its bucket with new values ([Note: Params that left their bucket] in
         ``shardkit.optim._relink``)."""
-        for e in self.all_entries():
-            if e.master is not None and e.param is param:
-                e.set_master(None)
-                self.versions[id(param)] = tensor_version(param)
+        if self.masters is not None and self.masters.has(param):
+            self.masters.set(param, None)
+            self.masters.mark_current([param])
 
     def drop_factors(self) -> None:
         """Forgets the pending gradient factors (the loss scaler's ``1/scale``, a clip
@@ -318,45 +249,34 @@ class ShardStepper:
         """Bytes of scratch one step needs: the upcast gradients of the largest bucket's tensors
         with masters (0 without masters), or one remainder tensor's gradient and joined master
         if that is more. See [Note: Stepping masters bucket by bucket]."""
+        masters = self.masters
+        if masters is None:
+            return 0
         per_bucket: dict[int, int] = {}
         largest = 0
         for e in self.all_entries():
             if e.master is not None:
-                n = e.tensor.numel() * self._master_size
+                n = masters.grad_bytes(e.stepped)
                 per_bucket[e.bucket.index] = per_bucket.get(e.bucket.index, 0) + n
-                largest = max(largest, self._cost(e))
+                largest = max(largest, masters.cost(e.stepped))
         return max(max(per_bucket.values(), default=0), largest)
-
-    def _cost(self, e: ShardEntry) -> int:
-        """Scratch bytes of one entry's step: its upcast gradient, and its joined master when
-        it keeps a remainder ([Note: Remainder masters under ZeRO-2])."""
-        return e.tensor.numel() * self._master_size * (2 if e.remainder is not None else 1)
 
     def _sub_chunks(self, chunk: list[ShardEntry]) -> list[list[ShardEntry]]:
         """``chunk`` cut so that each part's scratch fits :meth:`scratch_bytes`: remainder
         masters need their joined value beside the gradient, so a bucket of them is stepped
         in two or more parts rather than borrowing twice the scratch of fp32 masters."""
-        budget = self._budget
-        parts: list[list[ShardEntry]] = [[]]
-        used = 0
-        for e in chunk:
-            cost = self._cost(e)
-            if parts[-1] and used + cost > budget:
-                parts.append([])
-                used = 0
-            parts[-1].append(e)
-            used += cost
-        return parts
+        masters = self.masters
+        assert masters is not None  # chunks hold entries with masters only
+        return pack(chunk, lambda e: masters.cost(e.stepped), self._budget)
 
     def state_bytes(self) -> int:
         """Bytes of masters and optimizer state held by this rank."""
         n = 0
-        for e in self.all_entries():
-            if e.remainder is not None:
-                n += e.remainder.numel() * e.remainder.element_size()
-            elif e.master is not None:
-                n += e.master.numel() * e.master.element_size()
-            if self.local is not None:
+        if self.masters is not None:
+            held = self.masters.nbytes()
+            n += held["remainders"] + held["masters"]
+        if self.local is not None:
+            for e in self.all_entries():
                 for v in self.local.state.get(e.opt, {}).values():
                     if isinstance(v, torch.Tensor):
                         n += v.numel() * v.element_size()
@@ -384,13 +304,10 @@ class ShardStepper:
         if local is None:
             self.factors.clear()
             return
-        # See [Note: Params written outside the optimizer] (the params' gathers are done).
-        written = (
-            (e.param, e.tensor, e.master)
-            for e in self.all_entries()
-            if e.master is not None and e.remainder is None
-        )
-        log_reseeded(reseed_written(written, self.versions) + self._reseed_remainders())
+        masters = self.masters
+        if masters is not None:  # See [Note: Params written outside the optimizer] (the
+            # params' gathers are done).
+            log_reseeded(masters.reseed_written(e.stepped for e in self.all_entries()))
         try:
             plain: list[ShardEntry] = []
             chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
@@ -409,72 +326,31 @@ class ShardStepper:
                 for e in plain:
                     e.tensor.grad = None
             for chunk in chunks.values():  # See [Note: Stepping masters bucket by bucket]
+                assert masters is not None  # only entries with masters are in chunks
                 for part in self._sub_chunks(chunk):
-                    self._step_masters(local, part, scratch)
+                    self._step_masters(masters, local, part, scratch)
         finally:
             self.factors.clear()
 
-    def _reseed_remainders(self) -> list[torch.Tensor]:
-        """[Note: Params written outside the optimizer] for remainder masters: a param whose
-        counter moved since the masters were made, loaded or stepped was written by someone
-        else; its master becomes the written value (remainder 0). See [Note: Remainder masters
-        under ZeRO-2]."""
-        out: list[torch.Tensor] = []
-        for e in self.all_entries():
-            if e.remainder is None:
-                continue
-            seen, now = self.versions.get(id(e.param)), tensor_version(e.param)
-            if seen is not None and seen != now:
-                with torch.no_grad():
-                    e.remainder.zero_()
-                out.append(e.param)
-        for p in out:
-            self.versions[id(p)] = tensor_version(p)
-        return list({id(p): p for p in out}.values())
-
     def _step_masters(
-        self, local: Optimizer, chunk: list[ShardEntry], scratch: Sequence[torch.Tensor]
+        self,
+        masters: MasterSet,
+        local: Optimizer,
+        part: list[ShardEntry],
+        scratch: Sequence[torch.Tensor],
     ) -> None:
-        """Upcasts the gradients of one bucket's masters into scratch (and joins the remainder
-        masters beside them), steps them, casts (or splits) back."""
-        first = chunk[0].master
-        assert first is not None  # chunks hold entries with masters only
-        numel = sum(e.tensor.numel() for e in chunk)
-        joined = sum(e.tensor.numel() for e in chunk if e.remainder is not None)
-        both = _scratch(numel + joined, first.dtype, first.device, scratch)
-        flat, values = both[:numel], both[numel:]
-        off = joined_off = 0
-        for e in chunk:
-            master = e.master
-            assert master is not None  # chunks hold entries with masters only
-            n = e.tensor.numel()
-            if e.remainder is not None:  # [Note: Remainder masters under ZeRO-2]
-                view = values[joined_off : joined_off + n].view(e.tensor.shape)
-                join_master(e.tensor.detach(), e.remainder, out=view)
-                master.set_(
-                    view.untyped_storage(), view.storage_offset(), view.shape, view.stride()
-                )
-                joined_off += n
-            mg = flat[off : off + n].view(e.tensor.shape)
-            mg.copy_(e.grad())
-            master.grad = mg
-            off += n
-        self.factors.apply(flat)  # one multiply each, in order
-        try:
-            local.step()
-            with torch.no_grad():
-                for e in chunk:
-                    if e.remainder is not None:
-                        split_master(e.opt, param_out=e.tensor, remainder_out=e.remainder)
-                        if e.tensor is e.param:  # whole-param bucket: our own write
-                            self.versions[id(e.param)] = tensor_version(e.param)
-                    else:
-                        e.tensor.copy_(e.opt)
-        finally:
-            for e in chunk:
-                e.opt.grad = None
-                if e.remainder is not None:
-                    self._point_idle(e)
+        """One part of a bucket's masters through the masters' step (``_master_set.py``): the
+        gradients upcast into the lent scratch (the remainder masters joined beside them), the
+        step, the values cast (or split) back."""
+        stepped = [e.stepped for e in part]
+
+        def lent(device: torch.device, n: int, joined: int) -> tuple[torch.Tensor, torch.Tensor]:
+            both = _scratch(n + joined, masters.dtype, device, scratch)
+            return both[:n], both[n:]
+
+        # the local step is called from here (allocations it makes, the optimizer state of the
+        # first step, are the stepper's: shardkit.testing's LargeAllocations names this frame)
+        masters.step(stepped, [e.grad() for e in part], lent, lambda: local.step())
 
     # ------------------------------------------------------------------ loss scaling
     def has_master(self, b: FlatBucket) -> bool:

@@ -119,9 +119,9 @@ class ShardedOptimizer(Optimizer):
         master_remainder: with ``master_dtype=torch.float32``, keep the master of each owned
             bf16 param as the param plus an int16 remainder (2 bytes per param instead of 4):
             bit for bit the masters and updates of plain fp32 masters, params rounded to
-            nearest with ties away from zero (see [Note: Remainder masters under ZeRO-1] in
-            ``shardkit.optim._remainder_masters``; under ShardedDataParallel [Note: Remainder
-            masters under ZeRO-2]). fp16 params keep full fp32 masters.
+            nearest with ties away from zero (see [Note: Remainder masters] in
+            ``shardkit.optim._master_set``, [Note: Remainder masters under ZeRO-1]; under
+            ShardedDataParallel [Note: Remainder masters under ZeRO-2]). fp16 params keep full fp32 masters.
         compact_compile: with ``compact_state``, step the compact moments with compiled
             kernels (``torch.compile``, inductor; on the CPU): the same bytes as the eager
             step, several times faster, compiled on the first step (seconds, once per process;

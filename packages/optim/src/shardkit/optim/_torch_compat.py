@@ -43,7 +43,7 @@ instead of keeping copies).
   through ``p.data`` nor through another tensor that shares its storage without being its view
   (a flat buffer the param was re-pointed into). Master weights use it to notice params
   written outside the optimizer ([Note: Params written outside the optimizer] in
-  ``_master.py``); there is no public equivalent short of comparing values every step.
+  ``_master_set.py``); there is no public equivalent short of comparing values every step.
   ``tests/test_torch_compat.py::test_version_counter_pin`` pins what is relied on.
 
 * The torch-function mode stack (``torch._C._len_torch_function_stack``,

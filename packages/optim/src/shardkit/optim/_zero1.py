@@ -6,11 +6,28 @@ master copies of its params, the flat buffers the owners broadcast from, and run
 step. The front (``ShardedOptimizer``) owns the partition, the agreements and the
 hyper-parameters ([Note: One owner of hyper-parameters]); it builds a new ``LocalShards``
 whenever the partition changes, and hands its calls to ShardedDataParallel's bucket groups
-instead once one is attached.
+instead once one is attached. Its masters are a :class:`~shardkit.optim._master_set.MasterSet`
+of whole params (one stepped tensor per owned param that needs a master), stepped chunk by
+chunk ([Note: Master weights]).
+
+[Note: Remainder masters under ZeRO-1]
+With ``ShardedOptimizer(..., master_dtype=torch.float32, master_remainder=True)`` each owned
+bf16 param keeps its exact fp32 master as itself plus an int16 remainder (one tensor per param,
+as fp32 masters are), stepped through a handle ([Note: Remainder masters] in
+``_master_set.py``). The step's scratch is the masters' own (:meth:`MasterSet.kept`: one buffer
+of upcast gradients and one of joined masters per device, each the size of the largest chunk's,
+reused): chunks count a remainder param's gradient and joined master together
+(:meth:`MasterSet.cost`), so for a bf16 model the two buffers hold ``master_grad_bucket_bytes``
+together, as fp32 masters' gradients alone would (up to 1.5 times that when fp16 params with
+full masters fill other chunks); with ``master_grad_bucket_bytes=None`` (one chunk) the scratch
+is as large as all of them, and the saving is gone at the step's peak. A param another rank
+owns is written as the owner's split writes it when a master is loaded (:meth:`MasterSet.mirror`),
+so the replicas agree before the next sync.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Set
 from datetime import timedelta
@@ -26,16 +43,14 @@ from shardkit.optim._driver import ShardLayout, ShardOwner
 from shardkit.optim._master import (
     _WIRE_KEY,
     MASTER_KEY,
-    _Masters,
     check_master_values,
     join_wire,
-    log_reseeded,
     needs_master,
     split_wire,
     unscale_grads,
 )
+from shardkit.optim._master_set import MasterSet, Stepped, log_reseeded, pack
 from shardkit.optim._profiling import profiler_range
-from shardkit.optim._remainder_masters import RemainderMasters
 from shardkit.optim._state import (
     _hyperparams,
     _local_groups,
@@ -106,18 +121,19 @@ class LocalShards(ShardOwner):
         """The owned params of each group (one list per group, maybe empty)."""
         self.slot = {id(p): gi for gi, ps in enumerate(local) for p in ps}
         """``id(param) -> index of its group`` for the owned params."""
-        self.masters: _Masters | None = None
+        self.masters: MasterSet | None = None
+        """The masters of the owned params (one stepped tensor each: the whole param)."""
+        self.chunk_bytes = master_grad_bucket_bytes
+        """Bytes of scratch per chunk of the masters' step (``None``: one chunk)."""
         if master_dtype is not None:  # See [Note: Master weights].
-            self.masters = (
-                RemainderMasters(master_grad_bucket_bytes)
-                if master_remainder
-                else _Masters(master_dtype, master_grad_bucket_bytes)
-            )
-            for ps in local:
-                for p in ps:
-                    if needs_master(p, master_dtype):
-                        value = carried.get(id(p), {}).get(_WIRE_KEY)
-                        self.masters.add(p, value if isinstance(value, torch.Tensor) else None)
+            self.masters = MasterSet(master_dtype, master_remainder)
+            items: list[Stepped] = []
+            values: list[torch.Tensor | None] = []
+            for p in (p for ps in local for p in ps if needs_master(p, master_dtype)):
+                value = carried.get(id(p), {}).get(_WIRE_KEY)
+                items.append(Stepped(p, p))
+                values.append(value if isinstance(value, torch.Tensor) else None)
+            self.masters.attach(items, values)
         groups = [
             {**_hyperparams(g), "params": [self.opt_tensor(p) for p in ps]}
             for g, ps in zip(param_groups, local, strict=True)
@@ -224,7 +240,7 @@ class LocalShards(ShardOwner):
 
     def _step_masters(
         self,
-        masters: _Masters,
+        masters: MasterSet,
         params: Iterable[torch.Tensor] | None,
         closure: Callable[[], Any] | None = None,
         **kwargs: Any,
@@ -237,12 +253,17 @@ class LocalShards(ShardOwner):
         wanted = None if params is None else {id(p) for p in params}
         owned = [p for ps in self.owned_groups for p in ps if wanted is None or id(p) in wanted]
         # See [Note: Params written outside the optimizer].
-        log_reseeded(masters.reseed_written(owned))
-        for chunk in masters.chunks(owned):
-            flats = masters.load_grads(chunk)
-            self._step_narrowed(chunk.params, None, **kwargs)
-            masters.write_back(chunk)
-            del flats
+        stepped = [s for p in owned if (s := masters.get(p)) is not None]
+        log_reseeded(masters.reseed_written(stepped))
+
+        def cost(p: torch.Tensor) -> int:  # what a param adds to its chunk's scratch
+            s = masters.get(p)
+            return 0 if s is None or p.grad is None else masters.cost(s)
+
+        for chunk in pack(owned, cost, self.chunk_bytes):
+            part = [s for p in chunk if (s := masters.get(p)) is not None and p.grad is not None]
+            run = functools.partial(self._step_narrowed, chunk, None, **kwargs)
+            masters.step(part, [_grad(s.param) for s in part], masters.kept, run)
         return loss
 
     def sync_params(
@@ -434,7 +455,7 @@ class LocalShards(ShardOwner):
                     masters.mirror(p, values[name])
         masters.mark_current(model.parameters())
 
-    def _require_masters(self, what: str) -> _Masters:
+    def _require_masters(self, what: str) -> MasterSet:
         if self.masters is None:
             raise RuntimeError(
                 f"{what}() needs master weights, and this ShardedOptimizer has "
@@ -442,3 +463,10 @@ class LocalShards(ShardOwner):
                 f"own state_dict() otherwise)"
             )
         return self.masters
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which the caller checked is set."""
+    g = p.grad
+    assert g is not None  # parts hold params with a gradient only
+    return g
