@@ -159,7 +159,7 @@ def test_zero1_only_calls_raise_clearly_under_the_wrapper_and_leave_it_usable() 
     ):
         with pytest.raises(RuntimeError, match=f"{what}: shardkit.ddp.ShardedDataParallel fixed this"):
             call()
-    with pytest.raises(RuntimeError, match=r"call the wrapper's refresh_trainable\(\) instead"):
+    with pytest.raises(RuntimeError, match=r"call the wrapper's refresh_trainable\(\), which its next"):
         opt.refresh_trainable()
     before = _snapshot(m)
     opt.step()  # still usable: the refused calls moved nothing

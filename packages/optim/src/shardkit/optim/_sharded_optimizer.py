@@ -367,9 +367,10 @@ class ShardedOptimizer(Optimizer):
         if self._owner is not None:
             raise RuntimeError(
                 f"refresh_trainable: {self._owner.name} holds this optimizer's sharded state "
-                f"and re-plans its own buckets when requires_grad changes: call the wrapper's "
-                f"refresh_trainable() instead (its next training forward does, with "
-                f"auto_refresh_trainable=True, the default)"
+                f"and its layout; re-plan there when requires_grad changes (for "
+                f"shardkit.ddp.ShardedDataParallel: call the wrapper's refresh_trainable(), "
+                f"which its next training forward calls itself with auto_refresh_trainable=True, "
+                f"the default)"
             )
         self._rebuild(migrate=True)
 
