@@ -34,7 +34,7 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master import MASTER_KEY
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._state import _hyperparams as hyperparams
-from shardkit.optim._state import numbered_groups
+from shardkit.optim._state import global_index, global_params, numbered_groups
 from shardkit.optim._torch_compat import all_gather_single
 from shardkit.partition import all_gather_objects
 
@@ -48,14 +48,6 @@ __all__ = [
 
 def _default_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:
     return all_gather_single(out, inp, group=group)
-
-
-def _index(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for g in param_groups:
-        for p in g["params"]:
-            out[id(p)] = len(out)
-    return out
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ def gather_full_state_dict(
         RuntimeError: the pieces of a param disagree on its scalar state or keys (the ranks
             did not step alike).
     """
-    index = _index(param_groups)
+    index = global_index(param_groups)
     world = dist.get_world_size(group)
     gather = all_gather or _default_all_gather
     local = stepper.local
@@ -362,7 +354,7 @@ def load_full_state_dict(
     position = {k: i for i, k in enumerate(k for g in saved_groups for k in g["params"])}
     saved_state = {position.get(k, k): v for k, v in state_dict["state"].items()}
     saved_masters = {position.get(k, k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
-    index = _index(param_groups)
+    index = global_index(param_groups)
     new: list[tuple[ShardEntry, dict[str, Any], torch.Tensor | None]] = []
     for e in stepper.all_entries():  # every piece checked before anything changes
         gi = index[id(e.param)]
@@ -390,7 +382,7 @@ def load_full_state_dict(
         quantize_state(local)  # exact: [Note: Block-aligned fragment buckets] in _flat
     stepper.mark_masters_current()
     laid = {id(p) for b in buckets for p in b.params}
-    params = [p for g in param_groups for p in g["params"]]
+    params = global_params(param_groups)
     return ParkedState(
         {
             gi: copy.deepcopy(st)

@@ -62,6 +62,7 @@ from shardkit.optim._state import (
     _local_groups,
     _OwnerState,
     _StateFlag,
+    global_params,
 )
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
 from shardkit.optim._zero1 import LocalShards
@@ -206,7 +207,7 @@ class ShardedOptimizer(Optimizer):
         """(Re)partitions the params and builds this rank's ZeRO-1 backend. Collective."""
         if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
             agree_call(REPARTITION_CALL, self.group, self._timeout)
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = global_params(self.param_groups)
         mask = bytes(int(p.requires_grad) for p in params)
         agree_partition_inputs(
             params,
@@ -289,7 +290,7 @@ class ShardedOptimizer(Optimizer):
         """
         self._zero1_only("set_partition")
         agree_call(REPARTITION_CALL, self.group, self._timeout)  # See [Note: Call agreement]
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = global_params(self.param_groups)
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
         agree_values(
             (
