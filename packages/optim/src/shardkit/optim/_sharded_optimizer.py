@@ -225,7 +225,7 @@ class ShardedOptimizer(Optimizer):
         if migrate:  # every param's state (and master) moves to its new owner
             old = self._local
             owned = old.owned_entries()
-            full = _consolidate(owned, self.group, self.rank, -1, set())
+            full, _ = _consolidate(owned, self.group, self.rank, -1, set())
             carried = {id(old.layout.params[i]): st for i, st in (full or {}).items()}
             carried.update({id(old.layout.params[i]): dict(st) for i, st in owned.items()})
             old.sync.release(keep=())

@@ -22,6 +22,7 @@ __all__ = [
     "global_params",
     "group_ranges",
     "numbered_groups",
+    "saved_by_index",
     "share_hyperparams",
 ]
 
@@ -128,6 +129,14 @@ def _owned_state(
 # a name's position in the flattened saved groups is the global index of the param it belongs to.
 
 
+def saved_by_index(state_dict: Mapping[str, Any]) -> dict[int, Any]:
+    """A validated plain state dict's ``"state"`` keyed by global index: see [Note: Saved param
+    ids]."""
+    saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+    position = {k: i for i, k in enumerate(saved)}
+    return {position[k]: v for k, v in state_dict["state"].items()}
+
+
 def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Raises if ``state_dict`` is not a plain torch optimizer dict for these param groups."""
     if not isinstance(state_dict, Mapping):
@@ -143,18 +152,19 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
             f"consolidate_state_dict(), or by a plain torch optimizer's state_dict()."
         )
     saved_groups = state_dict["param_groups"]
-    if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(param_groups):
-        n = len(saved_groups) if isinstance(saved_groups, Sequence) else saved_groups
+    lens = [len(g["params"]) for g in param_groups]
+    if not isinstance(saved_groups, Sequence) or isinstance(saved_groups, (str, bytes)):
         raise ValueError(
-            f"state dict has {n} param groups but this optimizer has {len(param_groups)}: it was "
-            f"saved for a different model or param group layout."
+            f"state dict param groups must be a list of param groups, got "
+            f"{type(saved_groups).__name__}: it was saved for a different model or param group "
+            f"layout."
         )
     saved_lens = [len(g["params"]) for g in saved_groups]
-    lens = [len(g["params"]) for g in param_groups]
     if saved_lens != lens:
         raise ValueError(
-            f"state dict param groups hold {saved_lens} params but this optimizer's hold {lens}: "
-            f"it was saved for a different model or param group layout."
+            f"the state dict's {len(saved_lens)} param groups of sizes {saved_lens} do not hold "
+            f"the params of this optimizer's, of sizes {lens}: it was saved for a different model "
+            f"or param group layout."
         )
     expected = list(range(sum(lens)))
     flat = [i for g in saved_groups for i in g["params"]]
@@ -222,16 +232,14 @@ def _local_load_dict(
     index = layout.index_of()
     saved_groups = state_dict["param_groups"]
     # The saved dict may number params in any order inside a group: map by position.
-    saved_flat = [i for g in saved_groups for i in g["params"]]
-    state_in = state_dict["state"]
+    state_in = saved_by_index(state_dict)
     local_state: dict[int, dict[str, Any]] = {}
     local_groups: list[dict[str, Any]] = []
     j = 0
     for gi, params in enumerate(groups):
         ids = []
         for p in params:
-            g = saved_flat[index[id(p)]]
-            entry = state_in.get(g)
+            entry = state_in.get(index[id(p)])
             if entry is not None:
                 if any(isinstance(v, torch.Tensor) and v.is_meta for v in entry.values()):
                     if current.get(p):
