@@ -41,7 +41,7 @@ from shardkit.optim._agreement import (
     hyperparam_digest,
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
-from shardkit.optim._compact import stores_compact
+from shardkit.optim._compact import compact_formats
 from shardkit.optim._compact_optim import check_compact, dequantize_state_dict
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
@@ -750,11 +750,14 @@ _BAD_ARGUMENTS = (
 
 
 def _check_compact_params(params: list[torch.Tensor], kind: str) -> None:
-    """Compact moments step an fp32 value: a large low-precision param needs a master."""
+    """Compact moments step an fp32 value: a param laid out for compact moments that would
+    step itself in another dtype needs a master ([Note: One compact decider])."""
     low = [
         (i, p.dtype)
         for i, p in enumerate(params)
-        if p.requires_grad and p.dtype != torch.float32 and stores_compact(p.numel(), p.dtype)
+        if p.requires_grad
+        and compact_formats(kind, p.numel(), p.dtype) is not None
+        and compact_formats(kind, p.numel(), p.dtype, stepped=p.dtype) is None
     ]
     if low:
         i, dtype = low[0]
