@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedOptimizer, agree_call, agree_values, register_call
+from shardkit.optim import (
+    ShardedOptimizer,
+    agree_call,
+    agree_values,
+    global_params,
+    register_call,
+)
 from torch import nn
 
 __all__: list[str] = []
@@ -99,7 +105,7 @@ def check_params(module: nn.Module, per_opt: list[list[dict[str, Any]]]) -> None
     mine = {id(p) for p in module.parameters()}
     seen: dict[int, int] = {}
     for k, groups in enumerate(per_opt):
-        ps = [p for g in groups for p in g["params"]]
+        ps = global_params(groups)
         foreign = [i for i, p in enumerate(ps) if id(p) not in mine]
         if foreign:
             raise ValueError(
@@ -113,7 +119,7 @@ def check_params(module: nn.Module, per_opt: list[list[dict[str, Any]]]) -> None
                     f"{seen[id(p)]}; give every param to one optimizer only"
                 )
             seen[id(p)] = k
-    params = [p for groups in per_opt for g in groups for p in g["params"]]
+    params = [p for groups in per_opt for p in global_params(groups)]
     given = {id(p) for p in params}
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in given]
     if missing:

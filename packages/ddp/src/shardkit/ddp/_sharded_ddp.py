@@ -35,6 +35,7 @@ from shardkit.optim import (
     ShardedOptimizer,
     Zero2Engine,
     build_flat_buckets,
+    global_params,
     is_elementwise,
 )
 from shardkit.partition import check_consistent
@@ -211,7 +212,7 @@ class ShardedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.group)
         check_params(module, [o.param_groups for o in opts])
         agree_structure(module, opts[0].group)  # before any collective on params/buffers
-        params = [p for o in opts for g in o.param_groups for p in g["params"]]
+        params = [p for o in opts for p in global_params(o.param_groups)]
         check_consistent(params, group=self.group)
         self._no_sync = False
         self._closed = False  # See [Note: Closing the wrapper]
@@ -270,7 +271,7 @@ class ShardedDataParallel(nn.Module):
         if sync:
             self._sync_at_startup(
                 [b for bs in per_opt for b in bs],
-                [p for o in opts for g in o.param_groups for p in g["params"]],
+                [p for o in opts for p in global_params(o.param_groups)],
             )
         self._engine.lay_out(per_opt, self.module)
 

@@ -62,6 +62,7 @@ from shardkit.optim._shard_state import (
 )
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
+from shardkit.optim._state import global_index, global_params
 from shardkit.optim._torch_compat import (
     all_gather_single,
     queue_end_of_backward,
@@ -104,6 +105,8 @@ __all__ = [
     "checkpoint_part",
     "describe_difference",
     "gather_full_state_dict",
+    "global_index",
+    "global_params",
     "global_rank",
     "grad_norm_partial",
     "hyperparam_digest",

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._dist import _comm_device
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
+from shardkit.optim._state import global_params
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
@@ -115,7 +116,7 @@ class ZeroRedundancyOptimizer(ShardedOptimizer, Joinable):
     @property
     def _all_params(self) -> list[torch.Tensor]:
         """Every param in group order (torch's attribute, read by join hooks written for it)."""
-        return [p for g in self.param_groups for p in g["params"]]
+        return global_params(self.param_groups)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that shadows this optimizer's step for ``torch.distributed.algorithms.Join``."""

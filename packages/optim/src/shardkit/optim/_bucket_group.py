@@ -56,6 +56,7 @@ from shardkit.optim._shard_state import (
 )
 from shardkit.optim._shard_stepper import ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
+from shardkit.optim._state import global_params
 from torch import nn
 
 __all__ = ["BucketGroup", "GroupState", "agree", "clip_groups"]
@@ -151,7 +152,7 @@ class BucketGroup(ShardOwner):
 
     def params(self) -> list[torch.Tensor]:
         """The optimizer's params, in its global order."""
-        return [p for g in self.opt.param_groups for p in g["params"]]
+        return global_params(self.opt.param_groups)
 
     # ------------------------------------------------------------------ backward side
     # Called by the wrapper's backward pass (shardkit.optim._reducer), which keeps the bucket

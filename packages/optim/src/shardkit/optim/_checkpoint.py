@@ -72,6 +72,7 @@ from shardkit.optim._records import (
     from_tensor,
     validate_header,
 )
+from shardkit.optim._state import global_params
 from shardkit.partition import all_gather_objects
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
@@ -222,7 +223,7 @@ def save_sharded(optimizer: ShardedCheckpointable, path: str | os.PathLike[str])
     final = Path(path)
     what = f"save_sharded({final})"
     local = optimizer.local_state_dict()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = global_params(optimizer.param_groups)
     error: Outcome = None
     sd: dict[str, torch.Tensor] = {}
     try:
@@ -572,7 +573,7 @@ def load_sharded(
         LOAD_SHARDED_CALL, optimizer.group, optimizer.collective_timeout
     )  # [Note: Call agreement]
     group = optimizer.group
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = global_params(optimizer.param_groups)
     error: Exception | None = None
     opened: Opened | None = None
     try:

@@ -78,6 +78,7 @@ __all__ = [
     "CompactTensor",
     "align_cut",
     "check_range",
+    "compact_formats",
     "moment_formats",
     "stores_compact",
 ]
@@ -162,6 +163,36 @@ def stores_compact(numel: int, dtype: torch.dtype, min_numel: int = COMPACT_MIN_
     flat index]).
     """
     return numel >= min_numel and dtype in _COMPACT_DTYPES
+
+
+# [Note: One compact decider]
+# Which tensors keep compact moments, in which formats, is decided in one place for ZeRO-1's
+# wrapped optimizer, ZeRO-2's stepper and its bucket layout, the construction check and the
+# loads: :func:`compact_formats` of the optimizer's ``compact_state``, the param's *global* size
+# (:func:`stores_compact`: the same at every world size, [Note: Blocks on the global flat
+# index]), its dtype, and the dtype of the value stepped for it when known (compact moments step
+# fp32 values: the param, or its fp32 master). The bucket layout asks it without the stepped
+# dtype (a bf16 param with an fp32 master is laid out block-aligned); the optimizer asks it with
+# the stepped tensor; ``ShardedOptimizer`` refuses, at construction, a low-precision param it
+# would make compact without a master, so the two answers agree on every param that trains.
+def compact_formats(
+    kind: str | None, numel: int, dtype: torch.dtype, stepped: torch.dtype | None = None
+) -> tuple[CompactFormat, CompactFormat] | None:
+    """The (first, second) moment formats of a param under ``compact_state=kind``, or ``None``
+    when its moments keep full precision. See [Note: One compact decider].
+
+    Args:
+        kind: The optimizer's ``compact_state`` (``"int8"``, ``"int4"`` or ``None``).
+        numel: The param's *global* number of elements (a piece's whole param's).
+        dtype: The param's dtype.
+        stepped: The dtype of the value the optimizer steps for it (the param's, or its
+            master's), when known: any other than fp32 keeps full precision.
+    """
+    if kind is None or not stores_compact(numel, dtype):
+        return None
+    if stepped is not None and stepped != torch.float32:
+        return None
+    return moment_formats(kind)
 
 
 def _check_int(name: str, value: object, low: int = 0) -> int:

@@ -8,9 +8,9 @@ user passed: a subclass of ``torch.optim.Adam`` / ``AdamW`` with the same constr
 and hyper-parameters, whose ``step`` is :func:`~shardkit.optim._compact_step.compact_adam_step`
 (torch's own functional Adam on dequantized chunks, requantized after: bit for bit the plain
 optimizer whose moments are requantized after each step). Which params get compact moments is
-:func:`~shardkit.optim._compact.stores_compact` of the stepped value (the fp32 param, or its
-fp32 master): ZeRO-1 owns whole params, so that is the param's global size, the same at every
-world size, and blocks are never cut.
+:func:`~shardkit.optim._compact.compact_formats` of the stepped value (the fp32 param, or its
+fp32 master: [Note: One compact decider]): ZeRO-1 owns whole params, so that is the param's
+global size, the same at every world size, and blocks are never cut.
 
 The state keeps torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), a
 ``CompactTensor`` in place of each compact moment. Everything that moves state between ranks or
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
-from shardkit.optim._compact import CompactTensor, moment_formats, stores_compact
+from shardkit.optim._compact import CompactFormat, CompactTensor, compact_formats
 from shardkit.optim._compact_step import AdamState, Impl, StepScratch, compact_adam_step
 from torch.optim import Optimizer
 
@@ -176,10 +176,14 @@ def _impl(group: Mapping[str, Any], params: list[torch.Tensor]) -> Impl:
     return "foreach" if foreach else "single"
 
 
-def _kind(opt: Optimizer, p: torch.Tensor) -> str | None:
-    kind = _KINDS[type(opt)]
+def _formats(opt: Optimizer, p: torch.Tensor) -> tuple[CompactFormat, CompactFormat] | None:
+    """``p``'s moment formats (``p`` is the stepped value): [Note: One compact decider]."""
     numel = cast(Any, opt).global_numel.get(id(p), p.numel())
-    return kind if stores_compact(numel, p.dtype) and p.dtype == torch.float32 else None
+    return compact_formats(_KINDS[type(opt)], numel, p.dtype, stepped=p.dtype)
+
+
+def _kind(opt: Optimizer, p: torch.Tensor) -> str | None:
+    return _KINDS[type(opt)] if _formats(opt, p) is not None else None
 
 
 def _state_of(opt: Optimizer, p: torch.Tensor, group: Mapping[str, Any]) -> AdamState:
@@ -216,8 +220,7 @@ def quantize_state(opt: Optimizer) -> None:
             st = opt.state.get(p)
             if not st:
                 continue
-            kind = _kind(opt, p)
-            formats = moment_formats(kind) if kind is not None else None
+            formats = _formats(opt, p)
             for name, which in (("exp_avg", 0), ("exp_avg_sq", 1), ("max_exp_avg_sq", 1)):
                 value = st.get(name)
                 fmt = formats[which] if formats is not None else None

@@ -85,8 +85,8 @@ class AdamState:
         Args:
             like: the tensor the step updates (shape, device; its dtype for plain moments).
             kind: ``"int8"``, ``"int4"`` or ``None`` (full precision, as torch keeps it).
-                Decide it with :func:`~shardkit.optim._compact.stores_compact` on the param's
-                *global* size.
+                Decide it with :func:`~shardkit.optim._compact.compact_formats` on the param's
+                *global* size ([Note: One compact decider]).
             amsgrad: also keep ``max_exp_avg_sq``.
             fused: place the step count on ``like``'s device, as torch's fused Adam does.
         """

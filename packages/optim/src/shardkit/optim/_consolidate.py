@@ -128,8 +128,10 @@ def _consolidate(
     rank: int,
     recipient: int,
     skipped: set[int],
-) -> dict[int, dict[str, Any]] | None:
-    """Collective. Returns the full ``{global index: state}`` on recipients, ``None`` elsewhere.
+    extra: Any = None,
+) -> tuple[dict[int, dict[str, Any]] | None, list[Any]]:
+    """Collective. Returns the full ``{global index: state}`` on recipients (``None``
+    elsewhere), and every rank's ``extra`` (in group-rank order, on every rank).
 
     See [Note: Tensor consolidation].
 
@@ -141,13 +143,15 @@ def _consolidate(
         skipped: global indices (owned by this rank) whose tensors are not moved; the recipient
             gets ``meta`` tensors of the right shape and dtype in their place (or, when it owns
             them itself, a copy).
+        extra: small picklable metadata of this rank's that rides in the metadata exchange
+            (the pieces of params ZeRO-2 holds: [Note: One full state dict] in ``_full_state``).
     """
     world = dist.get_world_size(group)
     tensors, values = _describe(local, skipped)
     order = {idx: list(entry) for idx, entry in local.items()}
     # See [Note: Object collectives without NumPy].
     # (The arguments were checked on every rank before: ShardedOptimizer.consolidate_state_dict.)
-    gathered = all_gather_objects((recipient, tensors, values, order), group)
+    gathered = all_gather_objects((recipient, tensors, values, order, extra), group)
     recipients = [g[0] for g in gathered]
     if any(r != recipients[0] for r in recipients):
         raise ValueError(
@@ -177,7 +181,7 @@ def _consolidate(
                 off += n
 
     for src in range(world):
-        _, src_tensors, src_values, _ = gathered[src]
+        _, src_tensors, src_values, _, _ = gathered[src]
         src_global = global_rank(group, src)
         if out is not None:
             for idx, vals in src_values.items():
@@ -253,4 +257,4 @@ def _consolidate(
         for g in gathered:
             for idx, keys in g[3].items():
                 out[idx] = {k: out[idx][k] for k in keys}
-    return out
+    return out, [g[4] for g in gathered]

@@ -54,7 +54,7 @@ __all__ = ["ShardLayout", "ShardOwner", "StepDriver"]
 class ShardLayout:
     """Which rank owns which parameter of a ``ShardedOptimizer`` (the ZeRO-1 partition).
 
-    See [Note: Global parameter index] in ``shardkit.optim._layout``: a parameter's *global
+    See [Note: Global parameter index] in ``shardkit.optim._state``: a parameter's *global
     index* is its position in the optimizer's param groups flattened in order, as
     ``torch.optim.Optimizer.state_dict`` numbers them.
     """

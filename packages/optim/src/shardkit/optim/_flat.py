@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 from shardkit.buckets import plan_buckets
-from shardkit.optim._compact import moment_formats, stores_compact
+from shardkit.optim._compact import compact_formats, moment_formats
 from shardkit.optim._compact_optim import is_compact_class
 from shardkit.partition import partition
 from torch.optim import Optimizer
@@ -272,8 +272,8 @@ def build_flat_buckets(
                 offsets = list(spec.offsets)
                 owners = [-1] * len(ps)
                 shard = spec.padded_numel // world
-                if block and any(stores_compact(p.numel(), p.dtype) for p in ps):
-                    offsets, shard = _aligned_layout(ps, world, block)
+                if block and any(_compact(compact_state, p) for p in ps):
+                    offsets, shard = _aligned_layout(ps, world, compact_state)
             else:
                 offsets, owners, shard = _whole_param_layout(ps, world)
             flat = torch.zeros(shard * world, dtype=spec.dtype, device=spec.device)
@@ -306,25 +306,33 @@ def compact_block(compact_state: str | None) -> int:
     return max(fmt.block for fmt in moment_formats(compact_state))
 
 
-def _aligned_layout(params: list[torch.Tensor], world: int, block: int) -> tuple[list[int], int]:
+def _compact(compact_state: str | None, p: torch.Tensor) -> bool:
+    """Whether ``p`` may hold compact moments (see [Note: One compact decider])."""
+    return compact_formats(compact_state, p.numel(), p.dtype) is not None
+
+
+def _aligned_layout(
+    params: list[torch.Tensor], world: int, compact_state: str | None
+) -> tuple[list[int], int]:
     """Offsets and shard size of a block-aligned fragment bucket.
 
     [Note: Block-aligned fragment buckets]
     Compact moments are quantized in blocks of a param's *global* flat index (see [Note:
     Blocks on the global flat index] in ``shardkit.optim._compact``), so a rank's piece of a
     compact param must hold whole blocks. With ``compact_state``, every param that may store
-    compact state (``stores_compact`` of its whole size and dtype, decided as the optimizer
-    decides it) starts at a multiple of ``block`` in the bucket, and the shard size ``S`` is a
+    compact state (decided on its whole size and dtype, by the optimizer's decider: [Note: One
+    compact decider] in ``shardkit.optim._compact``) starts at a multiple of ``block`` in the bucket, and the shard size ``S`` is a
     multiple of ``block``: every cut ``r * S`` then falls on a block boundary of every param it
     cuts, and each piece's blocks are the param's own. The padding (under ``block`` elements
     before each compact param, under ``N * block`` at the end) is never stepped, and its
     gradient is kept at zero like any padding. Buckets without such params keep the packed
     layout. The bits of the state are then the same at every world size.
     """
+    block = compact_block(compact_state)
     offsets: list[int] = []
     pos = 0
     for p in params:
-        if stores_compact(p.numel(), p.dtype):
+        if _compact(compact_state, p):
             pos = -(-pos // block) * block
         offsets.append(pos)
         pos += p.numel()

@@ -1,4 +1,7 @@
-"""Global parameter numbering and the owner of every parameter (the ZeRO-1 partition)."""
+"""The owner of every parameter (the ZeRO-1 partition), by global index.
+
+See [Note: Global parameter index] in ``shardkit.optim._state``.
+"""
 
 from __future__ import annotations
 
@@ -10,22 +13,12 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import agree_values, hyperparam_digest
 from shardkit.optim._driver import ShardLayout
+from shardkit.optim._state import global_params, group_ranges
 from shardkit.partition import ALGORITHMS, partition
 
 __all__: list[str] = []
 
 _ALGORITHMS = tuple(ALGORITHMS)
-
-
-# [Note: Global parameter index]
-# A parameter's *global index* is its position when the wrapper's param groups are flattened in
-# order, exactly as ``torch.optim.Optimizer.state_dict`` numbers them. It is the key of every
-# state entry that leaves this package (consolidated dicts, DCP checkpoints), which is what makes
-# those independent of the world size: any partition at any world size maps the same index to the
-# same parameter. Owners are ranks of the optimizer's group (see [Note: Rank numbering]).
-# Trainable parameters are partitioned by shardkit-partition; frozen ones are never stepped nor
-# synchronised, and are given a round-robin owner only so that state they carried from a time they
-# were trainable has a home.
 
 
 def _check_algorithm(algorithm: Any) -> str:
@@ -99,12 +92,8 @@ def _build_layout(
     imposed: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> ShardLayout:
     """The partition: by ``algorithm``, or ``imposed`` ``(owners, order)`` when given."""
-    params: list[torch.Tensor] = []
-    group_index: list[int] = []
-    for gi, group in enumerate(param_groups):
-        for p in group["params"]:
-            params.append(p)
-            group_index.append(gi)
+    params = global_params(param_groups)
+    group_index = [gi for gi, ids in enumerate(group_ranges(param_groups)) for _ in ids]
     trainable = [bool(p.requires_grad) for p in params]
     if imposed is not None:
         return ShardLayout(

@@ -13,7 +13,8 @@ Fragment buckets hold one local tensor per param piece ([Note: Per-param fragmen
 the piece) is written into a zero buffer of the rank's range, all-gathered into the bucket's
 layout and cut per param; their scalar state (``step``, ASGD's ``eta`` / ``mu``) and which
 keys each param has travel as objects, and the pieces of one param must agree on them (they
-do: the ranks see the same global usage). Whole-param state travels as objects from its owner.
+do: the ranks see the same global usage). Whole-param state is consolidated from its owner as
+ZeRO-1's is: both take the one path of [Note: One full state dict] in ``_full_state.py``.
 Loading cuts each piece out of the per-param tensors and copies the param's scalars; it is not
 collective.
 """
@@ -28,15 +29,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from shardkit.optim._compact import CompactFormat, CompactTensor
-from shardkit.optim._compact_optim import plain_state, quantize_state
+from shardkit.optim._compact_optim import quantize_state
 from shardkit.optim._dist import AllGather
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._master import MASTER_KEY
+from shardkit.optim._full_state import (
+    Compact,
+    Holdings,
+    PerElement,
+    gather_state_dict,
+    piece_keys,
+    saved_state,
+    to_device,
+    transport_state,
+)
+from shardkit.optim._master import MASTER_KEY, join_wire
 from shardkit.optim._shard_stepper import ShardEntry, ShardStepper
 from shardkit.optim._state import _hyperparams as hyperparams
-from shardkit.optim._state import numbered_groups
+from shardkit.optim._state import global_index, global_params
 from shardkit.optim._torch_compat import all_gather_single
-from shardkit.partition import all_gather_objects
 
 __all__ = [
     "ParkedState",
@@ -48,42 +58,6 @@ __all__ = [
 
 def _default_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> object:
     return all_gather_single(out, inp, group=group)
-
-
-def _index(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for g in param_groups:
-        for p in g["params"]:
-            out[id(p)] = len(out)
-    return out
-
-
-@dataclass(frozen=True)
-class _PerElement:
-    """Marks a per-element state key of a fragment piece (its dtype), in the gathered meta."""
-
-    dtype: str
-
-
-@dataclass(frozen=True)
-class _Compact:
-    """Marks a compact moment of a fragment piece (its format), in the gathered meta."""
-
-    fmt: CompactFormat
-
-
-def _fragment_meta(v: Any) -> Any:
-    if isinstance(v, CompactTensor):
-        return _Compact(v.fmt)
-    if isinstance(v, torch.Tensor) and v.dim() > 0:
-        return _PerElement(str(v.dtype).removeprefix("torch."))
-    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and bool(torch.equal(a, b))
-    return bool(type(a) is type(b) and a == b)
 
 
 @dataclass
@@ -116,10 +90,10 @@ def gather_full_state_dict(
 ) -> dict[str, Any]:
     """The plain-torch optimizer state dict, on every rank. Collective over ``group``.
 
-    See [Note: Optimizer state format]. Compact moments (``compact_state``) are dequantized to
-    fp32 tensors, or with ``compact`` gathered as they are (codes and scales) into
-    ``CompactTensor`` values, for a checkpoint ([Note: Compact checkpoint items] in
-    ``shardkit.optim._checkpoint``).
+    See [Note: Optimizer state format], and [Note: One full state dict] for the path it takes
+    (ZeRO-1's consolidation's). Compact moments (``compact_state``) are dequantized to fp32
+    tensors, or with ``compact`` gathered as they are (codes and scales) into ``CompactTensor``
+    values, for a checkpoint ([Note: Compact checkpoint items] in ``shardkit.optim._checkpoint``).
 
     Args:
         stepper: This rank's stepper over ``buckets``.
@@ -134,72 +108,50 @@ def gather_full_state_dict(
         RuntimeError: the pieces of a param disagree on its scalar state or keys (the ranks
             did not step alike).
     """
-    index = _index(param_groups)
-    world = dist.get_world_size(group)
-    gather = all_gather or _default_all_gather
+    index = global_index(param_groups)
     local = stepper.local
-    meta: dict[int, dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
-    whole_masters: dict[int, torch.Tensor] = {}
+    pieces: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
     for e in stepper.all_entries():
         gi = index[id(e.param)]
-        st = local.state.get(e.opt, {}) if local is not None else {}
-        if not compact:  # as fp32: [Note: Compact state under ZeRO-1]
-            st = plain_state(st)
+        st = transport_state(local.state.get(e.opt, {}) if local is not None else {}, compact)
         if e.fragment:
             if st:
-                meta[gi] = {k: _fragment_meta(v) for k, v in st.items()}
+                pieces[gi] = piece_keys(st)
             continue
         if st:
-            whole[gi] = {k: _to_cpu(v) for k, v in st.items()}
+            whole[gi] = st
         if e.master is not None:
-            whole_masters[gi] = e.master_value().detach().cpu().clone()
-    gathered = all_gather_objects((meta, whole, whole_masters), group)
-    merged: dict[int, dict[str, Any]] = {}
-    for rank, (m, _, _) in enumerate(gathered):
-        for gi, keys in m.items():
-            seen = merged.setdefault(gi, keys)
-            if seen.keys() != keys.keys() or not all(_same(seen[k], keys[k]) for k in keys):
-                raise RuntimeError(
-                    f"the pieces of param {gi} hold different optimizer "
-                    f"state on rank {rank} ({_show(keys)}) and on a lower rank ({_show(seen)}); "
-                    f"the ranks did not step it alike"
-                )
-    state: dict[int, dict[str, Any]] = {}
-    masters: dict[int, torch.Tensor] = {}
-    for b in buckets:
-        if b.elementwise:
-            comm = (world, group, gather)
-            _gather_fragments(stepper, b, index, merged, comm, state, masters, compact)
-    device = buckets[0].device if buckets else torch.device("cpu")
-    for _, states, ms in gathered:
-        for gi, st in states.items():
-            state[gi] = {k: _to(v, device) for k, v in st.items()}
-        for gi, m in ms.items():
-            masters[gi] = m.to(device)
-    if parked is not None:
-        kept = copy.deepcopy(parked.state)  # a format-3 load may have parked compact moments
-        state = {**(kept if compact else {i: plain_state(st) for i, st in kept.items()}), **state}
-        masters = {**{gi: m.clone() for gi, m in parked.masters.items()}, **masters}
-    out: dict[str, Any] = {
-        "state": dict(sorted(state.items())),
-        "param_groups": numbered_groups(param_groups),
-    }
-    if stepper.master_dtype is not None:
-        out[MASTER_KEY] = dict(sorted(masters.items()))
+            masters[gi] = e.master_value().detach()
+    comm = (dist.get_world_size(group), group, all_gather or _default_all_gather)
+
+    def gather_pieces(
+        merged: dict[int, dict[str, Any]],
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+        state: dict[int, dict[str, Any]] = {}
+        fragment_masters: dict[int, torch.Tensor] = {}
+        for b in buckets:
+            if b.elementwise:
+                _gather_fragments(stepper, b, index, merged, comm, state, fragment_masters, compact)
+        return state, fragment_masters
+
+    under = None
+    if parked is not None:  # a format-3 load may have parked compact moments
+        kept = {gi: transport_state(st, compact) for gi, st in parked.state.items()}
+        under = (kept, parked.masters)
+    out = gather_state_dict(
+        Holdings(join_wire(whole, masters), pieces),
+        param_groups,
+        group,
+        -1,
+        with_masters=stepper.master_dtype is not None,
+        pieces=gather_pieces,
+        device=buckets[0].device if buckets else torch.device("cpu"),
+        under=under,
+    )
+    assert out is not None  # every rank receives it (recipient -1)
     return out
-
-
-def _to_cpu(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().cpu().clone()
-    if isinstance(v, CompactTensor):
-        return CompactTensor(v.codes.cpu().clone(), v.scales.cpu().clone(), v.shape, v.fmt)
-    return v
-
-
-def _show(keys: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(keys.items()))
 
 
 def _gather_fragments(
@@ -224,13 +176,13 @@ def _gather_fragments(
     formats: dict[str, CompactFormat] = {}
     for gi in gis:
         for k, v in merged.get(gi, {}).items():
-            if isinstance(v, _PerElement):
+            if isinstance(v, PerElement):
                 dtypes.setdefault(k, v.dtype)
-            elif isinstance(v, _Compact) and formats.setdefault(k, v.fmt) != v.fmt:
+            elif isinstance(v, Compact) and formats.setdefault(k, v.fmt) != v.fmt:
                 raise RuntimeError(f"the params of bucket {b.index} hold {k!r} in two formats")
     for gi in gis:
         if gi in merged:
-            state[gi] = {k: _to(v, b.device) for k, v in merged[gi].items()}
+            state[gi] = {k: to_device(v, b.device) for k, v in merged[gi].items()}
     for k, fmt in sorted(formats.items(), key=lambda kv: kv[0]):
         _gather_compact(b, mine, local, k, fmt, gis, merged, comm, state)
     for k, dtype in sorted(dtypes.items()):
@@ -250,7 +202,7 @@ def _gather_fragments(
                 buf[e.start : e.start + v.numel()].copy_(v.reshape(-1))
         full = _gather(buf, world, group, gather)
         for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
-            if isinstance(merged.get(gi, {}).get(k), _PerElement):
+            if isinstance(merged.get(gi, {}).get(k), PerElement):
                 state[gi][k] = full[off : off + p.numel()].view(p.shape).clone()
     if stepper.has_master(b):
         buf = torch.zeros(b.shard, dtype=stepper.master_dtype, device=b.device)
@@ -294,7 +246,7 @@ def _gather_compact(
     all_codes = _gather(codes, world, group, gather)
     all_scales = _gather(scales, world, group, gather)
     for p, off, gi in zip(b.params, b.offsets, gis, strict=True):
-        if isinstance(merged.get(gi, {}).get(k), _Compact):
+        if isinstance(merged.get(gi, {}).get(k), Compact):
             n = p.numel()
             c0, s0 = off * bits // 8, off // block
             state[gi][k] = CompactTensor(
@@ -303,10 +255,6 @@ def _gather_compact(
                 tuple(p.shape),
                 fmt,
             )
-
-
-def _to(v: Any, device: torch.device) -> Any:
-    return v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
 
 def _gather(
@@ -337,48 +285,22 @@ def load_full_state_dict(
         The state of the params outside the bucket layout (not trainable now), to keep.
 
     Raises:
-        ValueError: the dict does not match the params (group count/sizes, shapes); nothing
-            is changed then.
+        ValueError: the dict does not match the params (group count/sizes, shapes, masters);
+            nothing is changed then. ``TypeError`` for a ``"master_params"`` that is not a
+            dict of floating tensors.
     """
-    if (
-        not isinstance(state_dict, dict)
-        or "state" not in state_dict
-        or "param_groups" not in state_dict
-    ):
-        raise ValueError(
-            "load_state_dict expects a plain torch optimizer state dict with 'state' and "
-            f"'param_groups' keys, got {type(state_dict).__name__} with keys "
-            f"{sorted(state_dict) if isinstance(state_dict, dict) else '-'}"
-        )
-    saved_groups = state_dict["param_groups"]
-    sizes = [len(g["params"]) for g in param_groups]
-    if [len(g["params"]) for g in saved_groups] != sizes:
-        raise ValueError(
-            f"the state dict has param groups of sizes {[len(g['params']) for g in saved_groups]}"
-            f" but the optimizer's are {sizes}: it was saved for another model or grouping"
-        )
-    # See [Note: Saved param ids] in shardkit.optim._state: global indices, or the fully
-    # qualified names torch.distributed.checkpoint.state_dict writes, matched by position.
-    position = {k: i for i, k in enumerate(k for g in saved_groups for k in g["params"])}
-    saved_state = {position.get(k, k): v for k, v in state_dict["state"].items()}
-    saved_masters = {position.get(k, k): v for k, v in state_dict.get(MASTER_KEY, {}).items()}
-    index = _index(param_groups)
+    # One validation and one mapping of the saved ids, ZeRO-1's: [Note: One full state dict]
+    saved = saved_state(state_dict, param_groups, not_a_dict=ValueError)
+    index = global_index(param_groups)
     new: list[tuple[ShardEntry, dict[str, Any], torch.Tensor | None]] = []
     for e in stepper.all_entries():  # every piece checked before anything changes
         gi = index[id(e.param)]
-        saved = saved_state.get(gi, {})
-        if not isinstance(saved, dict):
-            raise ValueError(f"state of param {gi} is {type(saved).__name__}, expected a dict")
-        master = saved_masters.get(gi)
-        if master is not None and (
-            not isinstance(master, torch.Tensor) or master.numel() != e.param.numel()
-        ):
-            raise ValueError(
-                f"master of param {gi} is {master!r:.80} but a tensor of shape "
-                f"{tuple(e.param.shape)} was expected: the state dict was saved for another model"
-            )
-        new.append((e, {k: _piece(e, gi, k, v) for k, v in saved.items()}, master))
-    for g, sg in zip(param_groups, saved_groups, strict=True):
+        entry = saved.state.get(gi, {})
+        if not isinstance(entry, dict):
+            raise ValueError(f"state of param {gi} is {type(entry).__name__}, expected a dict")
+        master = saved.masters.get(gi)
+        new.append((e, {k: _piece(e, gi, k, v) for k, v in entry.items()}, master))
+    for g, sg in zip(param_groups, saved.groups, strict=True):
         g.update(copy.deepcopy(hyperparams(sg)))
     local = stepper.local  # its groups are views of param_groups: see [Note: One owner of
     # hyper-parameters] in shardkit.optim._state
@@ -390,20 +312,11 @@ def load_full_state_dict(
         quantize_state(local)  # exact: [Note: Block-aligned fragment buckets] in _flat
     stepper.mark_masters_current()
     laid = {id(p) for b in buckets for p in b.params}
-    params = [p for g in param_groups for p in g["params"]]
+    params = global_params(param_groups)
     return ParkedState(
-        {
-            gi: copy.deepcopy(st)
-            for gi, st in saved_state.items()
-            if isinstance(gi, int) and 0 <= gi < len(params) and id(params[gi]) not in laid
-        },
-        {
-            gi: m.detach().clone()
-            for gi, m in saved_masters.items()
-            if isinstance(gi, int) and 0 <= gi < len(params) and id(params[gi]) not in laid
-            and isinstance(m, torch.Tensor)
-        },
-    )  # fmt: skip
+        {gi: copy.deepcopy(st) for gi, st in saved.state.items() if id(params[gi]) not in laid},
+        {gi: m.detach().clone() for gi, m in saved.masters.items() if id(params[gi]) not in laid},
+    )
 
 
 def _piece(e: ShardEntry, gi: int, key: str, v: Any) -> Any:

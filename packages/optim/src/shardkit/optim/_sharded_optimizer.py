@@ -41,7 +41,7 @@ from shardkit.optim._agreement import (
     hyperparam_digest,
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
-from shardkit.optim._compact import stores_compact
+from shardkit.optim._compact import compact_formats
 from shardkit.optim._compact_optim import check_compact, compact_class, dequantize_state_dict
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
@@ -63,6 +63,7 @@ from shardkit.optim._state import (
     _OwnerState,
     _ShardState,
     _StateFlag,
+    global_params,
 )
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
 from shardkit.optim._zero1 import LocalShards
@@ -211,7 +212,7 @@ class ShardedOptimizer(Optimizer):
         """(Re)partitions the params; ZeRO-1's backend is built at first use. Collective."""
         if self._initialized:  # every rank here, within collective_timeout: [Note: Call agreement]
             agree_call(REPARTITION_CALL, self.group, self._timeout)
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = global_params(self.param_groups)
         self._fill_group_defaults(params)
         mask = bytes(int(p.requires_grad) for p in params)
         agree_partition_inputs(
@@ -230,7 +231,7 @@ class ShardedOptimizer(Optimizer):
         if migrate and self._local is not None:  # every param's state (and master) moves
             old = self._local
             owned = old.owned_entries()
-            full = _consolidate(owned, self.group, self.rank, -1, set())
+            full, _ = _consolidate(owned, self.group, self.rank, -1, set())
             carried = {id(old.layout.params[i]): st for i, st in (full or {}).items()}
             carried.update({id(old.layout.params[i]): dict(st) for i, st in owned.items()})
             old.sync.release(keep=())
@@ -342,7 +343,7 @@ class ShardedOptimizer(Optimizer):
         """
         self._zero1_only("set_partition")
         agree_call(REPARTITION_CALL, self.group, self._timeout)  # See [Note: Call agreement]
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = global_params(self.param_groups)
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
         agree_values(
             (
@@ -822,11 +823,14 @@ _BAD_ARGUMENTS = (
 
 
 def _check_compact_params(params: list[torch.Tensor], kind: str) -> None:
-    """Compact moments step an fp32 value: a large low-precision param needs a master."""
+    """Compact moments step an fp32 value: a param laid out for compact moments that would
+    step itself in another dtype needs a master ([Note: One compact decider])."""
     low = [
         (i, p.dtype)
         for i, p in enumerate(params)
-        if p.requires_grad and p.dtype != torch.float32 and stores_compact(p.numel(), p.dtype)
+        if p.requires_grad
+        and compact_formats(kind, p.numel(), p.dtype) is not None
+        and compact_formats(kind, p.numel(), p.dtype, stepped=p.dtype) is None
     ]
     if low:
         i, dtype = low[0]

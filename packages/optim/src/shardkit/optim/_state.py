@@ -1,4 +1,5 @@
-"""Plain torch optimizer state dicts <-> the local optimizer's state, keyed by global index.
+"""The global parameter numbering, and plain torch optimizer state dicts <-> the local
+optimizer's state, keyed by global index.
 
 See [Note: Global parameter index].
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -15,7 +16,67 @@ from shardkit.optim._compact import CompactTensor
 from shardkit.optim._driver import ShardLayout
 from torch.optim import Optimizer
 
-__all__ = ["GroupView", "numbered_groups", "share_hyperparams"]
+__all__ = [
+    "GroupView",
+    "global_index",
+    "global_params",
+    "group_ranges",
+    "numbered_groups",
+    "saved_by_index",
+    "share_hyperparams",
+]
+
+
+# [Note: Global parameter index]
+# A parameter's *global index* is its position when the wrapper's param groups are flattened in
+# order, exactly as ``torch.optim.Optimizer.state_dict`` numbers them. It is the key of every
+# state entry that leaves this package (consolidated dicts, DCP checkpoints), which is what makes
+# those independent of the world size: any partition at any world size maps the same index to the
+# same parameter. Owners are ranks of the optimizer's group (see [Note: Rank numbering]).
+# Trainable parameters are partitioned by shardkit-partition; frozen ones are never stepped nor
+# synchronised, and are given a round-robin owner only so that state they carried from a time they
+# were trainable has a home. Every list of the params in that order, every ``id(param) -> global
+# index`` map and every group's range of indices is made by this module's functions.
+
+
+def global_params(param_groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """Every param of ``param_groups``, in global-index order (the groups flattened in order).
+
+    See [Note: Global parameter index]: position ``i`` of the list is the param that a plain
+    torch optimizer state dict of these groups names ``i``.
+
+    Args:
+        param_groups: An optimizer's ``param_groups`` (dicts with a ``"params"`` list).
+
+    Returns:
+        A new list; element ``i`` is the param of global index ``i``.
+    """
+    return [p for g in param_groups for p in g["params"]]
+
+
+def global_index(param_groups: Iterable[Mapping[str, Any]]) -> dict[int, int]:
+    """``id(param) -> global index`` for every param of ``param_groups``.
+
+    See [Note: Global parameter index]. The map is keyed by ``id`` (tensors hash by identity
+    too, but comparing them may not); the params must stay alive while it is used.
+
+    Args:
+        param_groups: An optimizer's ``param_groups`` (dicts with a ``"params"`` list).
+
+    Returns:
+        A new dict over the params of :func:`global_params`.
+    """
+    return {id(p): i for i, p in enumerate(global_params(param_groups))}
+
+
+def group_ranges(param_groups: Iterable[Mapping[str, Any]]) -> list[range]:
+    """The global indices of each group's params, one range per group, in order."""
+    out: list[range] = []
+    start = 0
+    for g in param_groups:
+        out.append(range(start, start + len(g["params"])))
+        start += len(g["params"])
+    return out
 
 
 def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -25,12 +86,10 @@ def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
 def numbered_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` as a plain state dict's: deep-copied hyper-parameters (nothing may alias
     them), params numbered by global index (see [Note: Global parameter index])."""
-    out, j = [], 0
-    for g in groups:
-        n = len(g["params"])
-        out.append({**copy.deepcopy(_hyperparams(g)), "params": list(range(j, j + n))})
-        j += n
-    return out
+    return [
+        {**copy.deepcopy(_hyperparams(g)), "params": list(ids)}
+        for g, ids in zip(groups, group_ranges(groups), strict=True)
+    ]
 
 
 def _local_groups(layout: ShardLayout, rank: int, n_groups: int) -> list[list[torch.Tensor]]:
@@ -70,6 +129,14 @@ def _owned_state(
 # a name's position in the flattened saved groups is the global index of the param it belongs to.
 
 
+def saved_by_index(state_dict: Mapping[str, Any]) -> dict[int, Any]:
+    """A validated plain state dict's ``"state"`` keyed by global index: see [Note: Saved param
+    ids]."""
+    saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+    position = {k: i for i, k in enumerate(saved)}
+    return {position[k]: v for k, v in state_dict["state"].items()}
+
+
 def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Raises if ``state_dict`` is not a plain torch optimizer dict for these param groups."""
     if not isinstance(state_dict, Mapping):
@@ -85,18 +152,19 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
             f"consolidate_state_dict(), or by a plain torch optimizer's state_dict()."
         )
     saved_groups = state_dict["param_groups"]
-    if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(param_groups):
-        n = len(saved_groups) if isinstance(saved_groups, Sequence) else saved_groups
+    lens = [len(g["params"]) for g in param_groups]
+    if not isinstance(saved_groups, Sequence) or isinstance(saved_groups, (str, bytes)):
         raise ValueError(
-            f"state dict has {n} param groups but this optimizer has {len(param_groups)}: it was "
-            f"saved for a different model or param group layout."
+            f"state dict param groups must be a list of param groups, got "
+            f"{type(saved_groups).__name__}: it was saved for a different model or param group "
+            f"layout."
         )
     saved_lens = [len(g["params"]) for g in saved_groups]
-    lens = [len(g["params"]) for g in param_groups]
     if saved_lens != lens:
         raise ValueError(
-            f"state dict param groups hold {saved_lens} params but this optimizer's hold {lens}: "
-            f"it was saved for a different model or param group layout."
+            f"the state dict's {len(saved_lens)} param groups of sizes {saved_lens} do not hold "
+            f"the params of this optimizer's, of sizes {lens}: it was saved for a different model "
+            f"or param group layout."
         )
     expected = list(range(sum(lens)))
     flat = [i for g in saved_groups for i in g["params"]]
@@ -116,7 +184,7 @@ def _validate_plain_state_dict(state_dict: Any, param_groups: Sequence[Mapping[s
             f"{flat[:10]}{'...' if len(flat) > 10 else ''}"
         )
     position = {key: pos for pos, key in enumerate(flat)}
-    params = [p for g in param_groups for p in g["params"]]
+    params = global_params(param_groups)
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
@@ -164,16 +232,14 @@ def _local_load_dict(
     index = layout.index_of()
     saved_groups = state_dict["param_groups"]
     # The saved dict may number params in any order inside a group: map by position.
-    saved_flat = [i for g in saved_groups for i in g["params"]]
-    state_in = state_dict["state"]
+    state_in = saved_by_index(state_dict)
     local_state: dict[int, dict[str, Any]] = {}
     local_groups: list[dict[str, Any]] = []
     j = 0
     for gi, params in enumerate(groups):
         ids = []
         for p in params:
-            g = saved_flat[index[id(p)]]
-            entry = state_in.get(g)
+            entry = state_in.get(index[id(p)])
             if entry is not None:
                 if any(isinstance(v, torch.Tensor) and v.is_meta for v in entry.values()):
                     if current.get(p):

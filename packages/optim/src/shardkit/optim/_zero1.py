@@ -37,9 +37,16 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import CLIP_CALL, MASTER_STATE_DICT_CALL, agree_call
 from shardkit.optim._clip import _clip_grad_norm, check_clip_args
-from shardkit.optim._compact_optim import compact_class, plain_state
+from shardkit.optim._compact_optim import compact_class
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._driver import ShardLayout, ShardOwner
+from shardkit.optim._full_state import (
+    Holdings,
+    gather_state_dict,
+    plain_dict,
+    saved_state,
+    transport_state,
+)
 from shardkit.optim._master import (
     _WIRE_KEY,
     MASTER_KEY,
@@ -56,7 +63,6 @@ from shardkit.optim._state import (
     _local_groups,
     _local_load_dict,
     _owned_state,
-    _validate_plain_state_dict,
     numbered_groups,
     share_hyperparams,
 )
@@ -162,7 +168,7 @@ class LocalShards(ShardOwner):
         Compact moments travel as fp32 ([Note: Compact state under ZeRO-1]), or as they are
         with ``compact`` (a checkpoint's items: [Note: Compact checkpoint items])."""
         local = {
-            i: dict(st) if compact else plain_state(st)
+            i: transport_state(st, compact)
             for i, st in _owned_state(
                 self.optim.state, self.layout, self.rank, self.opt_tensor
             ).items()
@@ -343,26 +349,21 @@ class LocalShards(ShardOwner):
         Collective. See [Note: Tensor consolidation]."""
         owned = set(self.layout.owned(self.rank))
         with profiler_range("shardkit.optim.consolidate"):  # See [Note: Profiler ranges]
-            full = _consolidate(
-                self.owned_entries(), self.group, self.rank, recipient_rank, set(skip) & owned
+            return gather_state_dict(  # See [Note: One full state dict]
+                Holdings(self.owned_entries()),
+                self.param_groups,
+                self.group,
+                recipient_rank,
+                with_masters=self.masters is not None,
+                skipped=set(skip) & owned,
             )
-        if full is None:
-            return None
-        state, masters = split_wire(full)
-        sd: dict[str, Any] = {"state": state, "param_groups": numbered_groups(self.param_groups)}
-        if self.masters is not None:
-            sd[MASTER_KEY] = masters
-        return sd
 
     def checkpoint_state_dict(self) -> dict[str, Any]:
         """This rank's shard as ``{"state": {global index: state}, "param_groups": ...}``
         (live; compact moments as ``CompactTensor``), with ``"master_params"`` when there are
         masters. Local."""
         state, masters = split_wire(self.owned_entries(compact=True))
-        out: dict[str, Any] = {"state": state, "param_groups": numbered_groups(self.param_groups)}
-        if self.masters is not None:
-            out[MASTER_KEY] = masters
-        return out
+        return plain_dict(state, masters, self.param_groups, self.masters is not None)
 
     def checkpoint_indices(self) -> list[int]:
         return self.layout.owned(self.rank)
@@ -374,19 +375,17 @@ class LocalShards(ShardOwner):
         is set from ``"master_params"`` when the dict has it, else from the live param.
         """
         global _warned_ignored_masters
-        _validate_plain_state_dict(state_dict, self.param_groups)
+        # validated once, as ZeRO-2's loader does: see [Note: One full state dict]
+        masters_in = saved_state(state_dict, self.param_groups).masters
         params = list(self.layout.params)
-        masters_in: dict[int, torch.Tensor] = {}
-        if MASTER_KEY in state_dict:
-            masters_in = check_master_values(state_dict[MASTER_KEY], params)
-            if self.masters is None and masters_in and not _warned_ignored_masters:
-                _warned_ignored_masters = True
-                logger.warning(
-                    "load_state_dict: the state dict carries %d master weights "
-                    "('master_params') but this optimizer has master_dtype=None; they are "
-                    "ignored (build the optimizer with master_dtype=torch.float32 to keep them)",
-                    len(masters_in),
-                )
+        if self.masters is None and masters_in and not _warned_ignored_masters:
+            _warned_ignored_masters = True
+            logger.warning(
+                "load_state_dict: the state dict carries %d master weights "
+                "('master_params') but this optimizer has master_dtype=None; they are "
+                "ignored (build the optimizer with master_dtype=torch.float32 to keep them)",
+                len(masters_in),
+            )
         current = {
             p: st
             for p in (params[i] for i in self.layout.owned(self.rank))
@@ -423,7 +422,7 @@ class LocalShards(ShardOwner):
             m = masters.value(self.layout.params[i])
             if m is not None:
                 local[i] = {"master": m}
-        full = _consolidate(local, self.group, self.rank, recipient_rank, set())
+        full, _ = _consolidate(local, self.group, self.rank, recipient_rank, set())
         if full is None:
             return None
         out: dict[str, torch.Tensor] = {}

@@ -52,7 +52,7 @@ def _planned_partition(
     then one broadcast per owner. See [Note: Bucket-aligned ownership].
     """
     layout = zero.shard_layout
-    index = {id(p): i for i, p in enumerate(layout.params)}
+    index = layout.index_of()
     named = _ddp_params(ddp)
     cap = int(ddp.bucket_bytes_cap)
     plan = plan_buckets(named, cap, min(_DDP_FIRST_BUCKET_BYTES, cap))
