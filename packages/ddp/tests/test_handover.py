@@ -77,3 +77,35 @@ def test_zero1_builds_its_shard_at_first_use_and_trains_as_before() -> None:
     assert opt._local is not None and opt.state
     for a, b in zip(m.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@world(2)
+def test_master_model_state_dict_works_under_the_wrapper() -> None:
+    """bf16 params, fp32 masters, ZeRO-2: the fp32 export holds every param's master (the
+    optimizer state dict's ``master_params``, by name), which rounds to the live bf16 param;
+    the buffers upcast. Loading the masters back goes through ``load_state_dict``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(torch.bfloat16)
+    opt = ShardedOptimizer(
+        m.parameters(), optim=torch.optim.AdamW, lr=1e-2, master_dtype=torch.float32
+    )
+    sdp = ShardedDataParallel(m, opt)
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        sdp(torch.randn(4, 6, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    export = opt.master_model_state_dict(m, recipient_rank=-1)
+    assert export is not None
+    masters = opt.state_dict(all_ranks=True)["master_params"]
+    names = [n for n, _ in m.named_parameters()]
+    assert sorted(export) == sorted(m.state_dict())
+    for i, name in enumerate(names):
+        assert export[name].dtype == torch.float32
+        assert torch.equal(export[name], masters[i].cpu()), name
+        assert torch.equal(export[name].to(torch.bfloat16), m.state_dict()[name].cpu()), name
+    assert torch.equal(export["1.running_mean"], m[1].running_mean.float())
+    assert export["1.num_batches_tracked"].dtype == torch.int64
+    with pytest.raises(RuntimeError, match=r"optimizer.load_state_dict\(sd\)"):
+        opt.load_master_model_state_dict(m, export)
+    sdp.close()

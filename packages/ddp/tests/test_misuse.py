@@ -155,7 +155,6 @@ def test_zero1_only_calls_raise_clearly_under_the_wrapper_and_leave_it_usable() 
     for what, call in (
         ("step_local", opt.step_local),
         ("sync_params", opt.sync_params),
-        ("master_model_state_dict", lambda: opt.master_model_state_dict(m)),
     ):
         with pytest.raises(RuntimeError, match=f"{what}: shardkit.ddp.ShardedDataParallel fixed this"):
             call()

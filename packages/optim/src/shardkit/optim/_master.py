@@ -48,9 +48,10 @@ arguments' checks, their transport in state dicts, the unscale of local gradient
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 __all__: list[str] = []
 
@@ -178,3 +179,25 @@ def unscale_grads(
                 g.mul_(inv_scale.to(device=g.device, dtype=g.dtype))
             flag.copy_(torch.maximum(flag, (~torch.isfinite(g).all()).to(flag.dtype)))
     return found
+
+
+def master_model_dict(
+    model: nn.Module,
+    masters: Mapping[int, torch.Tensor],
+    index: Mapping[int, int],
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """``model``'s state dict at full precision, on the CPU: each param with a master (by global
+    index, ``masters``; ``index`` maps ``id(param)`` to it) is its master, every other floating
+    tensor upcast to ``dtype`` (exact), the rest copied. ZeRO-1's and ZeRO-2's
+    ``master_model_state_dict``."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        gi = index.get(id(value))
+        if gi is not None and gi in masters:
+            out[key] = masters[gi].to("cpu", copy=True)
+        elif value.is_floating_point():
+            out[key] = value.detach().to("cpu", dtype, copy=True)
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
+    return out

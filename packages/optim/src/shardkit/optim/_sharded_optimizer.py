@@ -54,7 +54,7 @@ from shardkit.optim._layout import (
     agree_partition_inputs,
     step_flags,
 )
-from shardkit.optim._master import check_master_dtype, check_master_remainder
+from shardkit.optim._master import check_master_dtype, check_master_remainder, master_model_dict
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import (
     _hyperparams,
@@ -63,6 +63,7 @@ from shardkit.optim._state import (
     _OwnerState,
     _ShardState,
     _StateFlag,
+    global_index,
     global_params,
 )
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
@@ -785,12 +786,26 @@ class ShardedOptimizer(Optimizer):
         Returns:
             The state dict on the recipient(s), ``None`` elsewhere.
 
+        Under a :class:`ShardOwner` (ShardedDataParallel) the masters come with the owner's
+        full optimizer state dict (its ``"master_params"``), so the call moves the moments too.
+
         Raises:
-            RuntimeError: the optimizer has no master weights (``master_dtype=None``), or
-                ShardedDataParallel holds them.
+            RuntimeError: the optimizer has no master weights (``master_dtype=None``).
         """
-        local = self._zero1_only("master_model_state_dict")
-        return local.master_model_state_dict(model, recipient_rank)
+        if self._owner is None:
+            return self._zero1().master_model_state_dict(model, recipient_rank)
+        if self.master_dtype is None:
+            raise RuntimeError(
+                "master_model_state_dict() needs master weights, and this ShardedOptimizer has "
+                "master_dtype=None; build it with master_dtype=torch.float32 (use the model's "
+                "own state_dict() otherwise)"
+            )
+        full = self._owner.full_state_dict(recipient_rank)
+        if full is None:
+            return None
+        masters = full.get("master_params", {})
+        index = global_index(self.param_groups)
+        return master_model_dict(model, masters, index, self.master_dtype)
 
     def load_master_model_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
@@ -807,12 +822,18 @@ class ShardedOptimizer(Optimizer):
             strict: as for ``nn.Module.load_state_dict``.
 
         Raises:
-            RuntimeError: the optimizer has no master weights (or ShardedDataParallel holds
-                them), or ``strict`` and keys differ.
+            RuntimeError: the optimizer has no master weights, or a :class:`ShardOwner`
+                (ShardedDataParallel) holds them (its message names the calls that load them
+                there), or ``strict`` and keys differ.
         """
-        self._zero1_only("load_master_model_state_dict").load_master_model_state_dict(
-            model, state_dict, strict
-        )
+        if self._owner is not None:
+            raise RuntimeError(
+                f"load_master_model_state_dict: {self._owner.name} holds this optimizer's "
+                f"masters; load the weights with model.load_state_dict(...) and the exact "
+                f"masters with optimizer.load_state_dict(sd), whose 'master_params' hold them "
+                f"(a dict from state_dict() / optimizer_state_dict())"
+            )
+        self._zero1().load_master_model_state_dict(model, state_dict, strict)
         self._state_version += 1
 
 

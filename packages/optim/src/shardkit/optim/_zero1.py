@@ -52,6 +52,7 @@ from shardkit.optim._master import (
     MASTER_KEY,
     check_master_values,
     join_wire,
+    master_model_dict,
     needs_master,
     split_wire,
     unscale_grads,
@@ -425,16 +426,8 @@ class LocalShards(ShardOwner):
         full, _ = _consolidate(local, self.group, self.rank, recipient_rank, set())
         if full is None:
             return None
-        out: dict[str, torch.Tensor] = {}
-        for key, value in model.state_dict(keep_vars=True).items():
-            gi = index.get(id(value))
-            if gi is not None and gi in full:
-                out[key] = full[gi]["master"]
-            elif value.is_floating_point():
-                out[key] = value.detach().to("cpu", masters.dtype, copy=True)
-            else:
-                out[key] = value.detach().to("cpu", copy=True)
-        return out
+        by_index = {gi: st["master"] for gi, st in full.items()}
+        return master_model_dict(model, by_index, index, masters.dtype)
 
     def load_master_model_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool
