@@ -49,7 +49,7 @@ from shardkit.optim._flat import (
     build_flat_buckets,
     is_elementwise,
 )
-from shardkit.optim._grad_factors import GradFactors
+from shardkit.optim._master_set import GradFactors
 from shardkit.optim._grad_scaler import ShardedGradScaler
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._profiling import profiler_range, profiling

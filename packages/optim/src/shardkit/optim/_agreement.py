@@ -430,3 +430,30 @@ def check_param_order(params: Sequence[torch.Tensor], group: dist.ProcessGroup) 
             "reordering): the ranks were initialised differently; wrap the model in DDP first "
             "(it broadcasts rank 0's values) or seed every rank alike"
         )
+
+
+def step_flags(
+    params: Sequence[torch.Tensor],
+    trainable: Sequence[bool],
+    rank: int,
+    error: str | None,
+    repartition: bool,
+) -> tuple[bool, str | None]:
+    """This rank's inputs to the per-step agreement: (``repartition`` and ``requires_grad``
+    changed since the layout recorded ``trainable``, this rank's reason to refuse the step:
+    ``error``, else a sparse gradient). A driver (``repartition=False``) checks
+    ``requires_grad`` itself."""
+    changed = False
+    for i, p in enumerate(params):
+        if (
+            error is None
+            and p.grad is not None
+            and (p.grad.is_sparse or p.grad.layout != torch.strided)
+        ):
+            error = (
+                f"param {i} (shape {tuple(p.shape)}) has a sparse gradient ({p.grad.layout}) on "
+                f"rank {rank}; ShardedOptimizer supports dense gradients only. Use "
+                f"nn.Embedding(sparse=False) or keep these params in an unsharded optimizer."
+            )
+        changed |= repartition and p.requires_grad != trainable[i]
+    return changed, error

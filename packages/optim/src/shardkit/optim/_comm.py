@@ -89,6 +89,8 @@ class _Comm:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.global_ranks = [global_rank(group, r) for r in range(self.world)]
+        """The global rank of each group rank (broadcast sources)."""
         self.stats = CommStats()
         # [Note: Gloo list collectives]
         # Gloo implements reduce_scatter_tensor / all_gather_into_tensor through an extra
@@ -152,9 +154,7 @@ class _Comm:
             if not (mine.data_ptr() == inp.data_ptr() and mine.shape == inp.shape):
                 mine.copy_(inp)
             works = [
-                dist.broadcast(
-                    c, src=global_rank(self.group, r), group=self.group, async_op=True
-                )
+                dist.broadcast(c, src=self.global_ranks[r], group=self.group, async_op=True)
                 for r, c in enumerate(chunks)
             ]
             return _Pending("all_gather", [w for w in works if w is not None])
@@ -178,7 +178,7 @@ class _Comm:
     def broadcast(self, t: torch.Tensor, src_group_rank: int) -> None:
         """Blocking broadcast from group rank ``src_group_rank`` (buffers, startup sync)."""
         self._count("broadcast", t)
-        dist.broadcast(t, src=global_rank(self.group, src_group_rank), group=self.group)
+        dist.broadcast(t, src=self.global_ranks[src_group_rank], group=self.group)
 
     def wait(self, pending: _Pending | None) -> None:
         """Waits for ``pending`` and records its issue-to-completion time."""

@@ -108,28 +108,6 @@ def _build_layout(
     return ShardLayout(tuple(params), tuple(group_index), tuple(owner), tuple(trainable))
 
 
-def step_flags(
-    layout: ShardLayout, rank: int, error: str | None, repartition: bool
-) -> tuple[bool, str | None]:
-    """This rank's inputs to the per-step agreement: (``repartition`` and ``requires_grad``
-    changed since ``layout`` was built, this rank's reason to refuse the step: ``error``, else
-    a sparse gradient). A driver (``repartition=False``) checks ``requires_grad`` itself."""
-    changed = False
-    for i, p in enumerate(layout.params):
-        if (
-            error is None
-            and p.grad is not None
-            and (p.grad.is_sparse or p.grad.layout != torch.strided)
-        ):
-            error = (
-                f"param {i} (shape {tuple(p.shape)}) has a sparse gradient ({p.grad.layout}) on "
-                f"rank {rank}; ShardedOptimizer supports dense gradients only. Use "
-                f"nn.Embedding(sparse=False) or keep these params in an unsharded optimizer."
-            )
-        changed |= repartition and p.requires_grad != layout.trainable[i]
-    return changed, error
-
-
 def agree_partition_inputs(
     params: Sequence[torch.Tensor],
     param_groups: Sequence[dict[str, Any]],

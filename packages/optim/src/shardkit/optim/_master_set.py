@@ -53,17 +53,16 @@ bits: at most half a bf16 unit). So load the model's weights *before* the optimi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from shardkit.optim._grad_factors import GradFactors
 from shardkit.optim._master import needs_master
 from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._torch_compat import tensor_version
 
-__all__ = ["MasterSet", "Scratch", "Stepped", "log_reseeded", "pack"]
+__all__ = ["GradFactors", "MasterSet", "Scratch", "Stepped", "log_reseeded", "pack"]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_full = False
@@ -77,6 +76,40 @@ Scratch = Callable[[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]]
 elements for a part's upcast gradients and of ``joined`` for its joined remainder masters."""
 
 _T = TypeVar("_T")
+
+
+class GradFactors:
+    """Multiplications queued for the next step's upcast (master-dtype) gradients, in order.
+
+    Gradients stepped through a master are never unscaled or clipped in place: the loss
+    scaler's ``1/scale`` and the clip coefficient are queued here and applied to the upcast
+    gradient, one multiplication each in order, which gives bit for bit what unscaling and
+    clipping fp32 gradients in place gives. The step consumes them; ``zero_grad`` and a
+    skipped step drop them. See [Note: Master weights].
+    """
+
+    def __init__(self) -> None:
+        self._factors: list[torch.Tensor] = []
+
+    def add(self, factor: torch.Tensor) -> None:
+        """Queues a multiplication by ``factor`` (a one-element tensor, kept as an fp32 0-d
+        copy)."""
+        self._factors.append(factor.detach().to(dtype=torch.float32).reshape(()).clone())
+
+    def apply(self, grad: torch.Tensor) -> None:
+        """Multiplies ``grad`` in place by every queued factor, in order (cast to its dtype)."""
+        for f in self._factors:
+            grad.mul_(f.to(device=grad.device, dtype=grad.dtype))
+
+    def clear(self) -> None:
+        """Drops every queued factor."""
+        self._factors.clear()
+
+    def __len__(self) -> int:
+        return len(self._factors)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._factors)
 
 
 def _blocks(first: torch.Tensor, *others: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:

@@ -74,7 +74,7 @@ from shardkit.optim._clip import block_norms
 from shardkit.optim._compact import CompactTensor
 from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._grad_factors import GradFactors
+from shardkit.optim._master_set import GradFactors
 from shardkit.optim._master import unscale_grads
 from shardkit.optim._master_set import MasterSet, Stepped, log_reseeded, pack
 from shardkit.optim._state import _hyperparams as hyperparams

@@ -39,6 +39,7 @@ from shardkit.optim._agreement import (
     agree_values,
     check_param_order,
     hyperparam_digest,
+    step_flags,
 )
 from shardkit.optim._args import check_chunk_bytes, check_optim_class, check_timeout
 from shardkit.optim._compact import compact_formats
@@ -52,7 +53,6 @@ from shardkit.optim._layout import (
     _check_algorithm,
     _check_imposed,
     agree_partition_inputs,
-    step_flags,
 )
 from shardkit.optim._master import check_master_dtype, check_master_remainder, master_model_dict
 from shardkit.optim._profiling import profiler_range
@@ -445,7 +445,9 @@ class ShardedOptimizer(Optimizer):
 
         ``error`` is this rank's own reason to refuse the step, raised on every rank.
         """
-        changed, error = step_flags(self._layout, self.rank, error, repartition)
+        changed, error = step_flags(
+            self._layout.params, self._layout.trainable, self.rank, error, repartition
+        )
         with profiler_range("shardkit.optim.agree"):
             changed = agree_step(self.param_groups, changed, error, self.group, self._timeout)
         if changed:
