@@ -18,18 +18,24 @@ attached :class:`StepDriver` at a time (``ShardedOptimizer.attach_driver``):
   attach time the optimizer releases everything it allocated (its flat sync buffers, the
   wrapped optimizer's state, its master copies) and from then on forwards ``step``,
   ``zero_grad``, ``clip_grad_norm``, the state dicts and the loss scaler's unscale to the
-  driver. Methods that would re-partition (``add_param_group``, ``refresh_trainable``,
-  ``set_partition``) raise while a ``ShardOwner`` is attached.
+  driver. What only ZeRO-1's own backend does does not exist while a ``ShardOwner`` is
+  attached ([Note: Members of one mode]).
 
 The optimizer itself is a front: whatever holds the state is a ``ShardOwner`` and every call
 above goes to it without a branch. Its own one, ``LocalShards`` (``shardkit.optim._zero1``:
 the wrapped optimizer on the whole params this rank owns, their masters and the flat sync
-buffers), is built with each partition and replaced by an attached ``ShardOwner`` for good;
-the front keeps what is the same for every backend: the partition, the agreements, the
-hyper-parameters ([Note: One owner of hyper-parameters] in ``shardkit.optim._state``) and the
-history of consolidations. What only whole-param ZeRO-1 can do (``step_local``,
-``sync_params``, repartitions, per-param master export) raises while another owner holds the
-state.
+buffers), is built at its first use after each partition and never once an attached
+``ShardOwner`` holds the state; the front keeps what is the same for every backend: the
+partition, the agreements, the hyper-parameters ([Note: One owner of hyper-parameters] in
+``shardkit.optim._state``) and the history of consolidations.
+
+[Note: Members of one mode]
+What only whole-param ZeRO-1 can do (``optim``, ``step_local``, ``sync_params``,
+``add_param_group``, ``set_partition``, ``refresh_trainable``, ``load_master_model_state_dict``)
+does not exist while another owner holds the state: those members are :func:`zero1_only`
+descriptors, so reading one raises ``AttributeError`` (``hasattr`` is ``False``) with a message
+that names the owner and what to call instead, on every rank alike (the mode is the same on
+every rank). Everything else works in both modes.
 
 Every method of a driver that communicates is called on every rank of the optimizer's group
 (the optimizer's own methods are collective in the same places), and a driver's ``step`` must
@@ -43,11 +49,55 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 __all__ = ["ShardLayout", "ShardOwner", "StepDriver"]
+
+_F = TypeVar("_F")
+
+
+class _Zero1Only:
+    """A member of ``ShardedOptimizer`` that exists only while no :class:`ShardOwner` holds its
+    state. See [Note: Members of one mode]."""
+
+    def __init__(self, member: Any, instead: str) -> None:
+        self.member = member
+        self.instead = instead
+        self.name = getattr(member, "__name__", "")
+        self.__doc__ = getattr(member, "__doc__", None)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        require_zero1(obj, self.name, self.instead)
+        return self.member.__get__(obj, objtype)
+
+
+def require_zero1(obj: Any, name: str, instead: str) -> None:
+    """Raises the ``AttributeError`` of [Note: Members of one mode] if a :class:`ShardOwner`
+    holds ``obj``'s state (``obj._owner``)."""
+    holder = obj.__dict__.get("_owner")
+    if holder is not None:
+        raise AttributeError(
+            f"ShardedOptimizer has no {name!r} while {holder.name} holds its sharded state "
+            f"(ZeRO-1 only); {instead}"
+        )
+
+
+def zero1_only(instead: str) -> Callable[[_F], _F]:
+    """Makes a method or property of ``ShardedOptimizer`` exist only without a
+    :class:`ShardOwner`; ``instead`` ends the ``AttributeError``'s message (what to call). See
+    [Note: Members of one mode]."""
+
+    def wrap(member: _F) -> _F:
+        return cast(_F, _Zero1Only(member, instead))
+
+    return wrap
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,13 @@ from shardkit.optim._compact import compact_formats
 from shardkit.optim._compact_optim import check_compact, compact_class, dequantize_state_dict
 from shardkit.optim._consolidate import _consolidate
 from shardkit.optim._dist import _resolve_group
-from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
+from shardkit.optim._driver import (
+    ShardLayout,
+    ShardOwner,
+    StepDriver,
+    require_zero1,
+    zero1_only,
+)
 from shardkit.optim._exchange import channel
 from shardkit.optim._layout import (
     _build_layout,
@@ -313,14 +319,14 @@ class ShardedOptimizer(Optimizer):
         """Who holds the state: the attached :class:`ShardOwner`, else ZeRO-1's backend."""
         return self._owner if self._owner is not None else self._zero1()
 
+    @zero1_only("build a new optimizer and wrapper with every param group")
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group; after construction this repartitions (collective)."""
-        if self._initialized:
-            self._zero1_only("add_param_group")
         super().add_param_group(param_group)
         if self._initialized:
             self._rebuild(migrate=True)
 
+    @zero1_only("the wrapper lays out its own buckets")
     def set_partition(
         self, owners: Sequence[int], *, sync_order: Sequence[int] | None = None
     ) -> None:
@@ -342,7 +348,6 @@ class ShardedOptimizer(Optimizer):
             TypeError, ValueError: malformed ``owners`` / ``sync_order`` (what was received is
                 in the message), or ranks passing different values (raised on every rank).
         """
-        self._zero1_only("set_partition")
         agree_call(REPARTITION_CALL, self.group, self._timeout)  # See [Note: Call agreement]
         params = global_params(self.param_groups)
         own, order = _check_imposed(owners, sync_order, params, self.world_size)
@@ -360,20 +365,16 @@ class ShardedOptimizer(Optimizer):
             return
         self._rebuild(migrate=True)
 
+    @zero1_only(
+        "call the wrapper's refresh_trainable() (shardkit.ddp.ShardedDataParallel's next "
+        "training forward calls it itself with auto_refresh_trainable=True, the default)"
+    )
     def refresh_trainable(self) -> None:
         """Repartitions after params were frozen or unfrozen, moving their state. Collective.
 
         The state of every param is all-gathered once to move it to its new owner: this is meant
         for occasional changes, not every step.
         """
-        if self._owner is not None:
-            raise RuntimeError(
-                f"refresh_trainable: {self._owner.name} holds this optimizer's sharded state "
-                f"and its layout; re-plan there when requires_grad changes (for "
-                f"shardkit.ddp.ShardedDataParallel: call the wrapper's refresh_trainable(), "
-                f"which its next training forward calls itself with auto_refresh_trainable=True, "
-                f"the default)"
-            )
         self._rebuild(migrate=True)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
@@ -392,9 +393,11 @@ class ShardedOptimizer(Optimizer):
 
     @property
     def optim(self) -> Optimizer:
-        """The wrapped torch optimizer, on this rank's params (no state while a
-        :class:`ShardOwner` holds it: see [Note: Step drivers])."""
-        return self._zero1_only("optim").optim
+        """The wrapped torch optimizer, on this rank's params; absent while a
+        :class:`ShardOwner` holds the state (``AttributeError``: [Note: Members of one mode])."""
+        # See [Note: Members of one mode] in shardkit.optim._driver
+        require_zero1(self, "optim", "optimizer.state shows this rank's shard state")
+        return self._zero1().optim
 
     @property
     def optim_class(self) -> type[Optimizer]:
@@ -470,6 +473,7 @@ class ShardedOptimizer(Optimizer):
         self._state_version += 1
         self._state_flag.value = True
 
+    @zero1_only("optimizer.step() steps the shards")
     def step_local(
         self,
         params: Iterable[torch.Tensor] | None = None,
@@ -487,10 +491,11 @@ class ShardedOptimizer(Optimizer):
         Raises:
             RuntimeError: a :class:`ShardOwner` holds the state (it steps it itself).
         """
-        loss = self._zero1_only("step_local").step_local(params, closure, **kwargs)
+        loss = self._zero1().step_local(params, closure, **kwargs)
         self._stepped()
         return loss
 
+    @zero1_only("the wrapper all-gathers the params after each step")
     def sync_params(
         self, params: Iterable[torch.Tensor] | None = None, async_op: bool = False
     ) -> list[dist.Work]:
@@ -503,7 +508,7 @@ class ShardedOptimizer(Optimizer):
         Raises:
             RuntimeError: a :class:`ShardOwner` holds the params (it gathers them itself).
         """
-        return self._zero1_only("sync_params").sync_params(params, async_op)
+        return self._zero1().sync_params(params, async_op)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Steps this rank's shard, then syncs every param from its owner. Collective.
@@ -600,17 +605,6 @@ class ShardedOptimizer(Optimizer):
             self._check_before_step(error, repartition=False)
         except TypeError as e:  # the local reasons are RuntimeErrors
             raise RuntimeError(str(e)) from None
-
-    def _zero1_only(self, what: str) -> LocalShards:
-        """This optimizer's own backend, for what only it does (partitions, per-param steps and
-        syncs, per-param masters); raises while a :class:`ShardOwner` holds the state."""
-        if self._owner is not None:
-            raise RuntimeError(
-                f"{what}: {self._owner.name} fixed this optimizer's params and bucket layout "
-                f"at construction and holds its sharded state; build a new ShardedOptimizer and "
-                f"wrapper instead"
-            )
-        return self._zero1()
 
     # ------------------------------------------------------------------ gradients
     def _unscale_for_scaler(
@@ -809,6 +803,10 @@ class ShardedOptimizer(Optimizer):
         index = global_index(self.param_groups)
         return master_model_dict(model, masters, index, self.master_dtype)
 
+    @zero1_only(
+        "load the weights with model.load_state_dict(...) and the exact masters with "
+        "optimizer.load_state_dict(sd), whose 'master_params' hold them"
+    )
     def load_master_model_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
     ) -> None:
@@ -828,13 +826,6 @@ class ShardedOptimizer(Optimizer):
                 (ShardedDataParallel) holds them (its message names the calls that load them
                 there), or ``strict`` and keys differ.
         """
-        if self._owner is not None:
-            raise RuntimeError(
-                f"load_master_model_state_dict: {self._owner.name} holds this optimizer's "
-                f"masters; load the weights with model.load_state_dict(...) and the exact "
-                f"masters with optimizer.load_state_dict(sd), whose 'master_params' hold them "
-                f"(a dict from state_dict() / optimizer_state_dict())"
-            )
         self._zero1().load_master_model_state_dict(model, state_dict, strict)
         self._state_version += 1
 
