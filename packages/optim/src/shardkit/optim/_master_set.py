@@ -62,7 +62,16 @@ from shardkit.optim._master import needs_master
 from shardkit.optim._remainder import join_master, split_master
 from shardkit.optim._torch_compat import tensor_version
 
-__all__ = ["GradFactors", "MasterSet", "Scratch", "Stepped", "log_reseeded", "pack"]
+__all__ = [
+    "GradFactors",
+    "MasterSet",
+    "Scratch",
+    "ShardPart",
+    "Stepped",
+    "log_reseeded",
+    "pack",
+    "step_shard",
+]
 
 logger = logging.getLogger("shardkit.optim")
 _logged_full = False
@@ -209,6 +218,63 @@ def pack(items: Iterable[_T], cost: Callable[[_T], int], budget: int | None) -> 
 # stay unseen, as they are for autograd (documented in the README's Limits). The counter is read
 # on the whole param, the values compared are the stepped tensor (the param, or this rank's
 # piece of it under ZeRO-2): :meth:`MasterSet.reseed_written`, for both engines.
+@dataclass(frozen=True)
+class ShardPart:
+    """One optimizer step of a shard step ([Note: One shard step]): ``run()`` steps the local
+    optimizer over some of this rank's tensors; ``stepped`` are those of them with a master
+    (their gradients ``grads``, upcast by :meth:`MasterSet.step` around ``run``), empty for a
+    part of tensors stepped as they are."""
+
+    run: Callable[[], object]
+    """Steps the local optimizer over the part's tensors only."""
+    stepped: Sequence[Stepped] = ()
+    """The part's tensors with a master, in order."""
+    grads: Sequence[torch.Tensor] = ()
+    """Their gradients (the params' dtype), one each."""
+
+
+# [Note: One shard step]
+# ZeRO-1 (``LocalShards``, also under the overlap hook) and ZeRO-2 (``ShardStepper``) step a
+# rank's shard the same way, here: the masters of every tensor about to be stepped are re-seeded
+# from params written outside the optimizer ([Note: Params written outside the optimizer]),
+# then each part runs (a part with masters through :meth:`MasterSet.step`: upcast gradients
+# times the pending factors, the step, the cast or split back; a part without through its
+# ``run`` alone), and the pending gradient factors are dropped whether or not the step
+# finished. What differs is only how each cuts its tensors into parts and narrows its local
+# optimizer to one part: ZeRO-1 edits the wrapped optimizer's groups to the part's whole
+# params, packed by ``master_grad_bucket_bytes``; ZeRO-2 sets the ``.grad`` of the part's
+# pieces (the others are skipped for having none), a bucket at a time, packed by the scratch
+# it is lent.
+def step_shard(
+    masters: MasterSet | None,
+    factors: GradFactors,
+    reseed: Iterable[Stepped],
+    parts: Iterable[ShardPart],
+    scratch: Scratch | None,
+) -> None:
+    """Runs one shard step; see [Note: One shard step].
+
+    Args:
+        masters: The shard's masters (``None``: no tensor has one; every part is plain).
+        factors: The pending gradient factors, dropped at the end.
+        reseed: The stepped tensors whose masters follow a written param.
+        parts: The parts, in order (a generator may build each when its turn comes).
+        scratch: Where the parts with masters upcast their gradients.
+    """
+    try:
+        if masters is not None:
+            log_reseeded(masters.reseed_written(reseed))
+        for part in parts:
+            if part.stepped:
+                if masters is None or scratch is None:
+                    raise RuntimeError("a part with masters needs the masters and a scratch")
+                masters.step(part.stepped, part.grads, scratch, part.run)
+            else:
+                part.run()
+    finally:
+        factors.clear()
+
+
 def log_reseeded(written: Sequence[torch.Tensor]) -> None:
     """Logs (once per process) that masters were re-seeded from written params."""
     global _logged_reseed

@@ -65,7 +65,7 @@ between blocks (compact state: [Note: Block-aligned fragment buckets] in
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,14 @@ from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._master_set import GradFactors
 from shardkit.optim._master import unscale_grads
-from shardkit.optim._master_set import MasterSet, Stepped, log_reseeded, pack
+from shardkit.optim._master_set import (
+    MasterSet,
+    Scratch,
+    ShardPart,
+    Stepped,
+    pack,
+    step_shard,
+)
 from shardkit.optim._state import _hyperparams as hyperparams
 from shardkit.optim._state import share_hyperparams
 from torch.optim import Optimizer
@@ -305,52 +312,52 @@ class ShardStepper:
             self.factors.clear()
             return
         masters = self.masters
-        if masters is not None:  # See [Note: Params written outside the optimizer] (the
-            # params' gathers are done).
-            log_reseeded(masters.reseed_written(e.stepped for e in self.all_entries()))
-        try:
-            plain: list[ShardEntry] = []
-            chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
-            for e in self.all_entries():
-                e.opt.grad = None
-                if not (
-                    e.bucket.grad_fresh
-                    or e.bucket.grad_shard is None
-                    or (e.bucket.index, e.position) in unused
-                ):
-                    (plain if e.master is None else chunks.setdefault(e.bucket.index, [])).append(e)
-            if plain:
+        lent: Scratch | None = None
+        reseed: list[Stepped] = []
+        if masters is not None:
+            dtype = masters.dtype
+
+            def lent(device: torch.device, n: int, joined: int) -> tuple[torch.Tensor, torch.Tensor]:
+                both = _scratch(n + joined, dtype, device, scratch)
+                return both[:n], both[n:]
+
+            # See [Note: Params written outside the optimizer] (the params' gathers are done).
+            reseed = [e.stepped for e in self.all_entries()]
+        step_shard(masters, self.factors, reseed, self._parts(local, unused), lent)
+
+    def _parts(self, local: Optimizer, unused: Set[tuple[int, int]]) -> Iterator[ShardPart]:
+        """ZeRO-2's parts of [Note: One shard step]: the pieces with a fresh reduced gradient
+        and no master in one part, then those with masters bucket by bucket, each bucket's cut
+        by the scratch lent ([Note: Stepping masters bucket by bucket]); the local optimizer
+        steps the pieces whose ``.grad`` is set (the others have none)."""
+        plain: list[ShardEntry] = []
+        chunks: dict[int, list[ShardEntry]] = {}  # bucket index -> entries with masters
+        for e in self.all_entries():
+            e.opt.grad = None
+            if not (
+                e.bucket.grad_fresh
+                or e.bucket.grad_shard is None
+                or (e.bucket.index, e.position) in unused
+            ):
+                (plain if e.master is None else chunks.setdefault(e.bucket.index, [])).append(e)
+        if plain:
+
+            def run_plain() -> None:
                 for e in plain:
                     e.tensor.grad = e.grad()
                 local.step()
                 for e in plain:
                     e.tensor.grad = None
-            for chunk in chunks.values():  # See [Note: Stepping masters bucket by bucket]
-                assert masters is not None  # only entries with masters are in chunks
-                for part in self._sub_chunks(chunk):
-                    self._step_masters(masters, local, part, scratch)
-        finally:
-            self.factors.clear()
 
-    def _step_masters(
-        self,
-        masters: MasterSet,
-        local: Optimizer,
-        part: list[ShardEntry],
-        scratch: Sequence[torch.Tensor],
-    ) -> None:
-        """One part of a bucket's masters through the masters' step (``_master_set.py``): the
-        gradients upcast into the lent scratch (the remainder masters joined beside them), the
-        step, the values cast (or split) back."""
-        stepped = [e.stepped for e in part]
-
-        def lent(device: torch.device, n: int, joined: int) -> tuple[torch.Tensor, torch.Tensor]:
-            both = _scratch(n + joined, masters.dtype, device, scratch)
-            return both[:n], both[n:]
-
-        # the local step is called from here (allocations it makes, the optimizer state of the
-        # first step, are the stepper's: shardkit.testing's LargeAllocations names this frame)
-        masters.step(stepped, [e.grad() for e in part], lent, lambda: local.step())
+            yield ShardPart(run_plain)
+        for chunk in chunks.values():
+            for part in self._sub_chunks(chunk):
+                # the local step is called from here (allocations it makes, the optimizer state
+                # of the first step, are the stepper's: shardkit.testing's LargeAllocations
+                # names this frame)
+                yield ShardPart(
+                    lambda: local.step(), [e.stepped for e in part], [e.grad() for e in part]
+                )
 
     # ------------------------------------------------------------------ loss scaling
     def has_master(self, b: FlatBucket) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from datetime import timedelta
 from typing import Any
 
@@ -49,15 +49,20 @@ from shardkit.optim._full_state import (
 )
 from shardkit.optim._master import (
     _WIRE_KEY,
-    MASTER_KEY,
-    check_master_values,
     join_wire,
     master_model_dict,
     needs_master,
     split_wire,
     unscale_grads,
 )
-from shardkit.optim._master_set import MasterSet, Stepped, log_reseeded, pack
+from shardkit.optim._master_set import (
+    GradFactors,
+    MasterSet,
+    ShardPart,
+    Stepped,
+    pack,
+    step_shard,
+)
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import (
     _hyperparams,
@@ -210,14 +215,30 @@ class LocalShards(ShardOwner):
     ) -> Any:
         """Steps this rank's shard only (optionally only ``params``); see
         ``ShardedOptimizer.step_local``."""
-        try:
-            with profiler_range("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
-                if self.masters is None:
-                    return self._step_narrowed(params, closure, **kwargs)
-                return self._step_masters(self.masters, params, closure, **kwargs)
-        finally:
-            if self.masters is not None:
-                self.masters.factors.clear()
+        with profiler_range("shardkit.optim.local_step"):  # See [Note: Profiler ranges]
+            masters = self.masters
+            if masters is None:  # one plain part: the wrapped optimizer's own step
+                result: list[Any] = []
+
+                def run() -> None:
+                    result.append(self._step_narrowed(params, closure, **kwargs))
+
+                step_shard(None, GradFactors(), (), [ShardPart(run)], None)
+                return result[0]
+            try:  # evaluated once, before any part steps
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+            except BaseException:
+                masters.factors.clear()
+                raise
+            wanted = None if params is None else {id(p) for p in params}
+            owned = [p for ps in self.owned_groups for p in ps if wanted is None or id(p) in wanted]
+            stepped = [s for p in owned if (s := masters.get(p)) is not None]
+            parts = self._master_parts(masters, owned, **kwargs)
+            step_shard(masters, masters.factors, stepped, parts, masters.kept)
+            return loss
 
     def _step_narrowed(
         self,
@@ -245,33 +266,21 @@ class LocalShards(ShardOwner):
                 for g, ps in zip(self.optim.param_groups, saved, strict=True):
                     g["params"] = ps
 
-    def _step_masters(
-        self,
-        masters: MasterSet,
-        params: Iterable[torch.Tensor] | None,
-        closure: Callable[[], Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """The local step with master weights, chunk by chunk. See [Note: Master weights]."""
-        loss = None
-        if closure is not None:  # evaluated once, before any chunk steps
-            with torch.enable_grad():
-                loss = closure()
-        wanted = None if params is None else {id(p) for p in params}
-        owned = [p for ps in self.owned_groups for p in ps if wanted is None or id(p) in wanted]
-        # See [Note: Params written outside the optimizer].
-        stepped = [s for p in owned if (s := masters.get(p)) is not None]
-        log_reseeded(masters.reseed_written(stepped))
+    def _master_parts(
+        self, masters: MasterSet, owned: list[torch.Tensor], **kwargs: Any
+    ) -> Iterator[ShardPart]:
+        """ZeRO-1's parts of [Note: One shard step]: the owned params in order, packed by
+        ``master_grad_bucket_bytes`` of upcast gradients; each part steps the wrapped
+        optimizer narrowed to its params (their masters, or themselves)."""
 
-        def cost(p: torch.Tensor) -> int:  # what a param adds to its chunk's scratch
+        def cost(p: torch.Tensor) -> int:  # what a param adds to its part's scratch
             s = masters.get(p)
             return 0 if s is None or p.grad is None else masters.cost(s)
 
         for chunk in pack(owned, cost, self.chunk_bytes):
             part = [s for p in chunk if (s := masters.get(p)) is not None and p.grad is not None]
             run = functools.partial(self._step_narrowed, chunk, None, **kwargs)
-            masters.step(part, [_grad(s.param) for s in part], masters.kept, run)
-        return loss
+            yield ShardPart(run, part, [_grad(s.param) for s in part])
 
     def sync_params(
         self, params: Iterable[torch.Tensor] | None = None, async_op: bool = False
