@@ -129,7 +129,9 @@ def test_demo_short_mode(tmp_path: Path) -> None:
         assert all(z < 0.8 * d for z, d in zip(*held, strict=True)), (phase, held)
         assert all(15.9 < d < 17 for d in held[1]), (phase, held)  # fp32 params, grads, 2 moments
         # params 4, grad shard and AdamW state 12/N, the staging pool of two 0.25 MiB buckets
-        assert all(-0.1 < z - (4 + 12 / n) < 1.2 for z in held[0]), (phase, n, held)  # type: ignore[operator]
+        # and, on Gloo, two receive buffers of (N-1)/N of one (shardkit.optim's [Note: Gloo
+        # reduce-scatter point to point])
+        assert all(-0.1 < z - (4 + 12 / n) < 1.8 for z in held[0]), (phase, n, held)  # type: ignore[operator]
 
     png = out / "loss.png"
     if importlib.util.find_spec("matplotlib") is None:

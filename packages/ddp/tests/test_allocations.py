@@ -6,10 +6,10 @@ that shardkit code asks for, on the rank's thread, in forward (pre-hooks, buffer
 backward (the gradient hooks, the end-of-backward flush), clipping and the step. Not counted, by
 construction ([Note: Counting our allocations] in ``shardkit.testing._allocations``): the
 gradient the autograd kernel allocates for each param and the model's activations (not ours to
-remove), and what a collective allocates inside its own implementation (Gloo's reduce-scatter
-clones the chunks it does not own: [Note: Gloo list collectives] in ``shardkit.optim._comm``;
-the all-gather is one broadcast per rank on Gloo, which allocates nothing: [Note: Gloo
-all-gather by broadcasts]; NCCL allocates neither).
+remove), and what a collective allocates inside its own implementation (nothing: on Gloo the
+package's reduce-scatter is point to point into receive buffers of its own, allocated with the
+layout, and its all-gather one broadcast per rank: [Note: Gloo collectives] in
+``shardkit.optim._comm``; NCCL allocates nothing either).
 
 64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
 bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256

@@ -113,7 +113,7 @@ def test_gloo_collectives_fallback_is_logged_once() -> None:
         for _ in range(2):
             sdp, opt = _wrapped()
             _step(sdp, opt)
-    found = logs.matching("reduce-scatters with the list form of reduce_scatter")
+    found = logs.matching("reduce-scatters with point-to-point sends")
     assert len(found) == 1, found
 
 

@@ -5,14 +5,16 @@ Each collective is counted at the moment it is issued, with the ring model of it
 rank for a buffer of ``B`` bytes over ``N`` ranks: reduce-scatter and all-gather move
 ``(N-1)/N * B``, all-reduce ``2(N-1)/N * B``, broadcast ``(N-1)/N * B`` (a pipelined chain,
 averaged over the ranks). These are the bytes a bandwidth-optimal implementation puts on the
-wire; Gloo's reduce-scatter is not bandwidth-optimal: it sends twice the ring figure (as much
-as an all-reduce of the buffer), so on Gloo a step sends more than the counted bytes (measured by
-``benchmarks/wire_bytes.py``, see the README). The time from issue to completion is recorded
-by kind when the package waits on a work.
+wire. On Gloo the reduce-scatter sends each chunk to its owner point to point ([Note: Gloo
+reduce-scatter point to point]), exactly the ring figure (Gloo's own reduce-scatter sends twice
+it), and the all-gather is one broadcast per rank ([Note: Gloo all-gather by broadcasts]); what
+Gloo sends is measured by ``benchmarks/wire_bytes.py`` (the README). The time from issue to
+completion is recorded by kind when the package waits on a work.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -68,13 +70,17 @@ _RING: dict[str, Callable[[int], float]] = {
 
 
 class _Pending:
-    """An issued collective: its works (one per c10d call it took) and when it was issued."""
+    """An issued collective: its works (one per c10d call it took), what completes it once they
+    are done (``finish``: the local sum of what was received), and when it was issued."""
 
-    __slots__ = ("kind", "start", "works")
+    __slots__ = ("finish", "kind", "start", "works")
 
-    def __init__(self, kind: str, works: list[dist.Work]) -> None:
+    def __init__(
+        self, kind: str, works: list[dist.Work], finish: Callable[[], None] | None = None
+    ) -> None:
         self.kind = kind
         self.works = works
+        self.finish = finish
         self.start = time.perf_counter()
 
     def done(self) -> bool:
@@ -92,16 +98,32 @@ class _Comm:
         self.global_ranks = [global_rank(group, r) for r in range(self.world)]
         """The global rank of each group rank (broadcast sources)."""
         self.stats = CommStats()
-        # [Note: Gloo list collectives]
-        # Gloo implements reduce_scatter_tensor / all_gather_into_tensor through an extra
-        # full-buffer pass, several times slower than its list forms on CPU (the README's
-        # figures); the list forms take views of the same buffer. Same bytes, same sums. Both
-        # forms allocate inside Gloo, per call: its reduce-scatter clones the ``N - 1`` chunks
-        # of the input it does not own and its all-gather receives into a buffer of the whole
-        # output, then copies back (what that does to resident memory on CPU: the README's
-        # memory section).
-        # That is Gloo's, and stays for the reduce-scatter: NCCL, what GPU users run,
-        # reduce-scatters and all-gathers in place with no buffer of its own.
+        # [Note: Gloo collectives]
+        # Gloo's collectives that take a bucket allocate inside Gloo, per call, except
+        # all-reduce, broadcast, point-to-point sends and receives and an all-to-all into a given
+        # buffer (peak resident beyond the input and output, VmHWM around one call after
+        # ``malloc_trim``, world 2 and 4: ``reduce_scatter_tensor`` +1.00x the buffer, its list
+        # form +0.56x to +0.78x (it clones the chunks the rank does not own), ``all_gather`` and
+        # ``all_gather_into_tensor`` +1.00x (a temporary of the whole output); the README's
+        # table). Blocks of bucket size freed on Gloo's threads and asked for again on others
+        # stay resident on CPU. So on Gloo a step's two collectives are built from those that
+        # allocate nothing (the two notes below); NCCL, what GPU users run, reduce-scatters and
+        # all-gathers in place with no buffer of its own and gets ``reduce_scatter_tensor`` /
+        # ``all_gather_into_tensor``.
+        #
+        # [Note: Gloo reduce-scatter point to point]
+        # On Gloo the reduce-scatter sends the chunk of every other rank to it and receives
+        # that rank's contribution to this rank's chunk (one ``batch_isend_irecv`` of async
+        # sends and receives, posted in rank order on every rank, so they pair up), into a
+        # receive buffer of this layer's own of ``(N-1)/N`` of the bucket; when the works are
+        # done the received chunks are added, in rank order, to this rank's own chunk of the
+        # input, into the output. Nothing is allocated inside Gloo, each rank sends the ring's
+        # ``(N-1)/N`` of the bucket (Gloo's reduce-scatter sends twice that), and it runs
+        # 1.7-2.3x faster than Gloo's reduce-scatter on CPU (the README's figures). The receive
+        # buffers are a pool of the bucket layout: one per reduce-scatter in flight (the staging
+        # pool bounds those), of the largest bucket's size, kept with the staging pool
+        # ([Note: Staging lifetime] in ``shardkit.optim._reducer``). Two chunks sum to the same
+        # bits in either order, so at world 2 the gradients equal DDP's all-reduce bit for bit.
         #
         # [Note: Gloo all-gather by broadcasts]
         # On Gloo the all-gather is one async broadcast per rank of that rank's chunk, in place
@@ -112,15 +134,18 @@ class _Comm:
         # figures). Every rank issues the broadcasts in rank order, so they pair up.
         self.gloo = dist.get_backend(group) == "gloo"
         """Whether the group is Gloo's (its collectives run on worker threads of its own)."""
-        self._lists = self.gloo
+        self._recv_size: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._recv_free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._recv_bytes = 0
         global _logged_gloo
-        if self._lists and not _logged_gloo:
+        if self.gloo and not _logged_gloo:
             _logged_gloo = True
             logger.info(
-                "ShardedDataParallel on Gloo: reduce-scatters with the list form of "
-                "reduce_scatter (views of the bucket; reduce_scatter_tensor runs 3-5x slower "
-                "on CPU) and all-gathers with one broadcast per rank, in place (Gloo's "
-                "all-gathers receive into a temporary of the whole output); logged once"
+                "ShardedDataParallel on Gloo: reduce-scatters with point-to-point sends and "
+                "receives into a buffer of its own and a local sum, all-gathers with one "
+                "broadcast per rank in place (Gloo's reduce-scatter and all-gather allocate "
+                "inside Gloo on every call; see [Note: Gloo collectives] in "
+                "shardkit.optim._comm); logged once"
             )
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
@@ -129,19 +154,87 @@ class _Comm:
         self.stats.buffer_bytes[kind] += nbytes
         self.stats.calls[kind] += 1
 
+    def reserve_receive(
+        self, dtype: torch.dtype, device: torch.device, numel: int, count: int = 0
+    ) -> None:
+        """Sizes the receive buffers of [Note: Gloo reduce-scatter point to point] for inputs
+        of up to ``numel`` elements of ``dtype`` on ``device`` (each bucket of a new layout)
+        and allocates ``count`` of them now if fewer exist (a kept pool); idle buffers of a
+        smaller size are dropped. Nothing on other backends."""
+        if not self.gloo:
+            return
+        key = (dtype, device)
+        need = numel - numel // self.world
+        free = self._recv_free.setdefault(key, [])
+        if need > self._recv_size.setdefault(key, 0):
+            self._recv_size[key] = need
+            for base in [b for b in free if b.numel() < need]:
+                free.remove(base)
+                self._recv_bytes -= base.numel() * base.element_size()
+        while len(free) < count:
+            base = torch.empty(self._recv_size[key], dtype=dtype, device=device)
+            self._recv_bytes += base.numel() * base.element_size()
+            free.append(base)
+
+    def release_receive(self) -> None:
+        """Frees the idle receive buffers (with the staging pool, when it is not kept)."""
+        for free in self._recv_free.values():
+            self._recv_bytes -= sum(b.numel() * b.element_size() for b in free)
+            free.clear()
+
+    def receive_bytes(self) -> int:
+        """Bytes of the receive buffers that exist now, idle or in use."""
+        return self._recv_bytes
+
+    def _take_receive(self, dtype: torch.dtype, device: torch.device, n: int) -> torch.Tensor:
+        key = (dtype, device)
+        size = max(self._recv_size.get(key, 0), n)
+        self._recv_size[key] = size
+        free = self._recv_free.setdefault(key, [])
+        while free:
+            base = free.pop()
+            if base.numel() >= n:
+                return base
+            self._recv_bytes -= base.numel() * base.element_size()
+        base = torch.empty(size, dtype=dtype, device=device)
+        self._recv_bytes += base.numel() * base.element_size()
+        return base
+
+    def _add_received(
+        self, out: torch.Tensor, own: torch.Tensor, base: torch.Tensor, shard: int
+    ) -> None:
+        if out.data_ptr() != own.data_ptr():
+            out.copy_(own)
+        for j in range(self.world - 1):
+            out.add_(base[j * shard : (j + 1) * shard])
+        self._recv_free.setdefault((base.dtype, base.device), []).append(base)
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
         """Async SUM reduce-scatter of ``inp`` (``world * out.numel()``) into ``out``, which may
         be this rank's chunk of ``inp`` (in place)."""
         self._count("reduce_scatter", inp)
-        if self._lists:
-            chunks = list(inp.chunk(self.world))
-            work = dist.reduce_scatter(
-                out, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
-        else:
-            work = reduce_scatter_single(
-                out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
+        if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
+            shard = inp.numel() // self.world
+            own = inp[self.rank * shard : (self.rank + 1) * shard]
+            base = self._take_receive(inp.dtype, inp.device, (self.world - 1) * shard)
+            finish = functools.partial(self._add_received, out, own, base, shard)
+            if self.world == 1:
+                return _Pending("reduce_scatter", [], finish)
+            ops: list[dist.P2POp] = []
+            j = 0
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                peer, mine = self.global_ranks[r], base[j * shard : (j + 1) * shard]
+                theirs = inp[r * shard : (r + 1) * shard]
+                ops.append(dist.P2POp(dist.isend, theirs, peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, mine, peer, self.group))
+                j += 1
+            works = dist.batch_isend_irecv(ops)
+            return _Pending("reduce_scatter", list(works), finish)
+        work = reduce_scatter_single(
+            out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
         return _Pending("reduce_scatter", _works(work))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
@@ -186,6 +279,9 @@ class _Comm:
             return
         for work in pending.works:
             work.wait()
+        if pending.finish is not None:
+            finish, pending.finish = pending.finish, None
+            finish()
         self.stats.seconds[pending.kind] += time.perf_counter() - pending.start
 
 

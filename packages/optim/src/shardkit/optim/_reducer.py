@@ -224,6 +224,14 @@ class _Reducer:
             self._size[key] = max(self._size.get(key, 0), -(-need // ALIGN) * ALIGN)
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
+        wire: dict[tuple[torch.dtype, torch.device], int] = {}
+        for g, k in self.order:  # the reduce-scatters' receive buffers: [Note: Gloo
+            key = self._key(g, k)  # reduce-scatter point to point] in shardkit.optim._comm
+            wire[key] = max(wire.get(key, 0), g.buckets[k].numel)
+        self.comm.release_receive()
+        keep = _MAX_STAGING if self.config.keep_staging_buffers else 0
+        for (dtype, device), numel in wire.items():
+            self.comm.reserve_receive(dtype, device, numel, keep)
         if self.config.keep_staging_buffers:  # allocated once, here: [Note: Staging lifetime]
             for (dtype, device), size in self._size.items():
                 block = torch.empty(_MAX_STAGING * size, dtype=dtype, device=device)
@@ -309,8 +317,9 @@ class _Reducer:
         return (g.wire_dtype(k), g.buckets[k].device)
 
     def staging_bytes(self) -> int:
-        """Bytes of staging buffers alive now (see [Note: Staging lifetime])."""
-        return sum(
+        """Bytes of staging buffers alive now, with the comm layer's receive buffers (see
+        [Note: Staging lifetime])."""
+        return self.comm.receive_bytes() + sum(
             n * self._size[k] * torch.empty((), dtype=k[0]).element_size()
             for k, n in self._count.items()
         )
@@ -458,8 +467,10 @@ class _Reducer:
     # A bucket holds a staging buffer from its bucket's first gradient in backward until its
     # reduce-scatter has completed (``_finish`` returns it to the pool, where the next bucket of
     # the same backward takes it). The pool (two buffers per wire dtype and device, each the
-    # size of the largest bucket, in one block) is allocated with the bucket layout and kept from
-    # one step to the next (``keep_staging_buffers=True``, the default), as are the grad shards
+    # size of the largest bucket, in one block; on Gloo also the comm layer's two receive
+    # buffers of (N-1)/N of it: [Note: Gloo reduce-scatter point to point]) is allocated with the
+    # bucket layout and kept from one step to the next (``keep_staging_buffers=True``, the
+    # default), as are the grad shards
     # (views of one buffer per dtype and device), so no step allocates a bucket-sized tensor. A
     # buffer freed and allocated again every step costs a caching allocator (CUDA) reserved
     # memory only; on CPU glibc keeps the freed pages resident and, as other sizes come and go
@@ -482,6 +493,7 @@ class _Reducer:
         for key, free in self._free.items():
             self._count[key] -= len(free)
             free.clear()
+        self.comm.release_receive()
 
 
 # [Note: Clip agreement]
