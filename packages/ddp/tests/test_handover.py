@@ -106,6 +106,10 @@ def test_master_model_state_dict_works_under_the_wrapper() -> None:
         assert torch.equal(export[name].to(torch.bfloat16), m.state_dict()[name].cpu()), name
     assert torch.equal(export["1.running_mean"], m[1].running_mean.float())
     assert export["1.num_batches_tracked"].dtype == torch.int64
+    for value in export.values():  # the export is the caller's: no live master behind it
+        value.fill_(7)
+    again = opt.state_dict(all_ranks=True)["master_params"]
+    assert all(torch.equal(again[i], masters[i]) for i in masters)
     with pytest.raises(AttributeError, match=r"optimizer.load_state_dict\(sd\)"):
         opt.load_master_model_state_dict(m, export)
     sdp.close()

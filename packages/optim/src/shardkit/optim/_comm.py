@@ -168,9 +168,7 @@ class _Comm:
         free = self._recv_free.setdefault(key, [])
         if need > self._recv_size.setdefault(key, 0):
             self._recv_size[key] = need
-            for base in [b for b in free if b.numel() < need]:
-                free.remove(base)
-                self._recv_bytes -= base.numel() * base.element_size()
+            self._drop_smaller(free, need)
         while len(free) < count:
             base = torch.empty(self._recv_size[key], dtype=dtype, device=device)
             self._recv_bytes += base.numel() * base.element_size()
@@ -191,14 +189,18 @@ class _Comm:
         size = max(self._recv_size.get(key, 0), n)
         self._recv_size[key] = size
         free = self._recv_free.setdefault(key, [])
-        while free:
-            base = free.pop()
-            if base.numel() >= n:
-                return base
-            self._recv_bytes -= base.numel() * base.element_size()
+        self._drop_smaller(free, n)
+        if free:
+            return free.pop()
         base = torch.empty(size, dtype=dtype, device=device)
         self._recv_bytes += base.numel() * base.element_size()
         return base
+
+    def _drop_smaller(self, free: list[torch.Tensor], n: int) -> None:
+        """Frees the idle receive buffers of fewer than ``n`` elements."""
+        for base in [b for b in free if b.numel() < n]:
+            free.remove(base)
+            self._recv_bytes -= base.numel() * base.element_size()
 
     def _add_received(
         self, out: torch.Tensor, own: torch.Tensor, base: torch.Tensor, shard: int

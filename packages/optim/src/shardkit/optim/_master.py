@@ -194,10 +194,18 @@ def master_model_dict(
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         gi = index.get(id(value))
-        if gi is not None and gi in masters:
-            out[key] = masters[gi].to("cpu", copy=True)
+        if gi is not None and gi in masters:  # gathered for this dict: no second copy
+            out[key] = masters[gi].to("cpu")
         elif value.is_floating_point():
             out[key] = value.detach().to("cpu", dtype, copy=True)
         else:
             out[key] = value.detach().to("cpu", copy=True)
     return out
+
+
+def no_masters_error(what: str) -> RuntimeError:
+    """The error of a call that needs master weights on an optimizer built without them."""
+    return RuntimeError(
+        f"{what}() needs master weights, and this ShardedOptimizer has master_dtype=None; "
+        f"build it with master_dtype=torch.float32 (use the model's own state_dict() otherwise)"
+    )

@@ -60,7 +60,12 @@ from shardkit.optim._layout import (
     _check_imposed,
     agree_partition_inputs,
 )
-from shardkit.optim._master import check_master_dtype, check_master_remainder, master_model_dict
+from shardkit.optim._master import (
+    check_master_dtype,
+    check_master_remainder,
+    master_model_dict,
+    no_masters_error,
+)
 from shardkit.optim._profiling import profiler_range
 from shardkit.optim._state import (
     _hyperparams,
@@ -791,11 +796,7 @@ class ShardedOptimizer(Optimizer):
         if self._owner is None:
             return self._zero1().master_model_state_dict(model, recipient_rank)
         if self.master_dtype is None:
-            raise RuntimeError(
-                "master_model_state_dict() needs master weights, and this ShardedOptimizer has "
-                "master_dtype=None; build it with master_dtype=torch.float32 (use the model's "
-                "own state_dict() otherwise)"
-            )
+            raise no_masters_error("master_model_state_dict")
         full = self._owner.full_state_dict(recipient_rank)
         if full is None:
             return None

@@ -52,6 +52,7 @@ from shardkit.optim._master import (
     join_wire,
     master_model_dict,
     needs_master,
+    no_masters_error,
     split_wire,
     unscale_grads,
 )
@@ -458,11 +459,7 @@ class LocalShards(ShardOwner):
 
     def _require_masters(self, what: str) -> MasterSet:
         if self.masters is None:
-            raise RuntimeError(
-                f"{what}() needs master weights, and this ShardedOptimizer has "
-                f"master_dtype=None; build it with master_dtype=torch.float32 (use the model's "
-                f"own state_dict() otherwise)"
-            )
+            raise no_masters_error(what)
         return self.masters
 
 
