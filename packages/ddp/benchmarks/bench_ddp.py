@@ -4,7 +4,7 @@ Gloo on CPU, spawned ranks; model: 6 x Linear(W, W) + GELU (``SHARDKIT_BENCH_WID
 512), batch 16, AdamW.
 
 - ``bytes``: ring-model bytes per rank per step (see [Note: Byte accounting] in
-  ``shardkit.optim._comm``) counted by shardkit-ddp's communication layer over one step, against
+  ``shardkit.optim._wire``) counted by shardkit-ddp's communication layer over one step, against
   the same model for DDP (all-reduce of every grad: ``2(N-1)/N``) and for torch
   ZeroRedundancyOptimizer / fairscale OSS (DDP's all-reduce plus every param broadcast from
   its owner: ``+ (N-1)/N``), world 2 and 4; and with ``reduce_fp16=True`` against DDP with
@@ -166,15 +166,15 @@ def zero2_comm_alone(buckets: Any) -> float:
     """Seconds of ShardedDataParallel's collectives of one step run alone: a reduce-scatter and
     an all-gather of every bucket, issued by the package's own communication layer (so on Gloo
     the same in-place reduces and broadcasts), on copies of the buffers made beforehand."""
-    from shardkit.optim._comm import _Comm
+    from shardkit.optim._wire import Wire
 
-    comm = _Comm(dist.group.WORLD)
+    comm = Wire(dist.group.WORLD)
     copies = [(b.flat.clone(), b.flat.clone(), b.shard) for b in buckets]
     lo, hi = comm.rank, comm.rank + 1
     dist.barrier()
     t0 = time.perf_counter()
     for staging, _, s in copies:
-        comm.wait(comm.reduce_scatter(staging[lo * s : hi * s], staging))
+        comm.wait(comm.reduce_scatter(staging, staging[lo * s : hi * s]))
     for _, gathered, s in copies:
         comm.wait(comm.all_gather(gathered, gathered[lo * s : hi * s]))
     return time.perf_counter() - t0

@@ -14,7 +14,7 @@ cancel out). Implementations: plain DDP + AdamW, shardkit ``ShardedDataParallel`
 collective alone on a model-sized fp32 buffer (``collectives``), to compare Gloo's algorithms
 with the ring model (reduce-scatter and all-gather ``(N-1)/N`` of the buffer per rank,
 all-reduce ``2(N-1)/N``, broadcast ``(N-1)/N``; see [Note: Byte accounting] in
-``shardkit.optim._comm``).
+``shardkit.optim._wire``).
 
 Not collected by pytest. Run: ``python packages/ddp/benchmarks/wire_bytes.py [--json out.json]``.
 """

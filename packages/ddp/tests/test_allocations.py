@@ -9,7 +9,7 @@ gradient the autograd kernel allocates for each param and the model's activation
 remove), and what a collective allocates inside its own implementation (nothing: on Gloo the
 package's reduce-scatter is point to point into receive buffers of its own, allocated with the
 layout, and its all-gather one broadcast per rank: [Note: Gloo collectives] in
-``shardkit.optim._comm``; NCCL allocates nothing either).
+``shardkit.optim._wire``; NCCL allocates nothing either).
 
 64 KiB: half of glibc's initial mmap threshold (blocks below it are recycled in the allocator's
 bins), and a quarter of the smallest per-bucket buffer of this model (a bf16 grad shard, 256

@@ -60,7 +60,7 @@ def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) ->
     total = sum(live.values())
     # the pool: two buffers of the largest bucket, kept ([Note: Staging lifetime]), and on
     # Gloo the two receive buffers of (N-1)/N of it ([Note: Gloo reduce-scatter point to
-    # point] in shardkit.optim._comm)
+    # point] in shardkit.optim._wire)
     world_size = dist.get_world_size()
     pool = 2 * bucket + 2 * (bucket - bucket // world_size)
     assert pool <= held["staging"] <= pool + 4 * 64, held

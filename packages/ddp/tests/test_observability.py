@@ -106,7 +106,7 @@ def test_no_range_is_opened_without_a_profiler() -> None:
 
 @world(2)
 def test_gloo_collectives_fallback_is_logged_once() -> None:
-    import shardkit.optim._comm as comm
+    import shardkit.optim._wire as comm
 
     with pytest.MonkeyPatch.context() as mp, captured_logs("shardkit.optim") as logs:
         mp.setattr(comm, "_logged_gloo", False)

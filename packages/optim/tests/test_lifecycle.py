@@ -35,7 +35,7 @@ def _snapshot(life: GroupLife) -> tuple[Any, ...]:
         dict(life.gathers),
         [
             (b.phase, frozenset(b.pending), frozenset(b.used), b.staging is None, b.work,
-             b.clipped, b.add_out, b.bucket.grad_fresh)
+             b.clipped, b.bucket.grad_fresh)
             for b in life.buckets
         ],
     )  # fmt: skip
@@ -83,7 +83,6 @@ def test_a_cycle_walks_the_documented_states() -> None:
 def test_a_second_backward_accumulates_and_zero_grad_discards() -> None:
     life = _life()
     _reduce_all(life)
-    assert all(not b.add_out for b in life.buckets)  # fresh shards: written directly
     life.mark_clipped()
     assert all(b.clipped for b in life.buckets)
     _reduce_all(life)  # REDUCED -> REDUCING -> REDUCED, into unconsumed shards

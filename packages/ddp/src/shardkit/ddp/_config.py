@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from shardkit.ddp._checks import cap_bytes, reduce_dtype_of
+from shardkit.optim import WIRE_FORMATS, BlockFormat
 
 __all__ = ["ShardedDataParallelConfig"]
 
@@ -58,8 +59,28 @@ class ShardedDataParallelConfig:
     """Let backward accumulate gradients straight into the staging buffers (see [Note:
     Gradients as bucket views] in ``shardkit.optim._reducer``)."""
 
+    wire: str | BlockFormat = "exact"
+    """How gradients travel, and params too unless ``wire_params`` says otherwise:
+    ``"exact"`` (the bucket's dtype or ``reduce_dtype``), ``"int8"`` / ``"int4"`` (block
+    quantized; gradients by one all-to-all per bucket, params as weight deltas), or a
+    ``shardkit.optim.BlockFormat`` (block size, stochastic rounding). See [Note: Quantized
+    reduce-scatter] and [Note: Weight deltas] in ``shardkit.optim._wire``."""
+    wire_params: str | BlockFormat | None = None
+    """How the param all-gather travels: ``None`` follows ``wire``; ``"exact"``, ``"int8"``,
+    ``"int4"`` or a ``BlockFormat`` choose for params alone."""
+
     def __post_init__(self) -> None:
         reduce_dtype_of(self.reduce_fp16, self.reduce_dtype)
+        wire_format(self.wire, "wire")
+        if self.wire_params is not None:
+            wire_format(self.wire_params, "wire_params")
+        if self.grad_wire is not None and self.wire_dtype is not None:
+            raise ValueError(
+                f"wire={self.grad_wire.name!r} quantizes the gradients on the wire and "
+                f"reduce_dtype={self.wire_dtype} casts them: the two do not compose. Drop "
+                f"reduce_dtype / reduce_fp16, or keep the exact wire (wire='exact', "
+                f"wire_params='int8' quantizes the params alone)"
+            )
         for name in ("keep_staging_buffers", "gradient_as_bucket_view"):
             flag = getattr(self, name)
             if not isinstance(flag, bool):
@@ -83,6 +104,18 @@ class ShardedDataParallelConfig:
         return reduce_dtype_of(self.reduce_fp16, self.reduce_dtype)
 
     @property
+    def grad_wire(self) -> BlockFormat | None:
+        """The block format of the gradients' reduce-scatter, or ``None`` (exact)."""
+        return wire_format(self.wire, "wire")
+
+    @property
+    def param_wire(self) -> BlockFormat | None:
+        """The block format of the params' all-gather (weight deltas), or ``None`` (exact)."""
+        if self.wire_params is None:
+            return self.grad_wire
+        return wire_format(self.wire_params, "wire_params")
+
+    @property
     def cap_bytes(self) -> int:
         """The bucket cap in bytes."""
         return cap_bytes(self.reduce_buffer_size, self.bucket_cap_mb, "bucket_cap_mb")
@@ -91,3 +124,23 @@ class ShardedDataParallelConfig:
     def first_cap_bytes(self) -> int:
         """The cap of each param group's first bucket in bytes (at most :attr:`cap_bytes`)."""
         return min(self.cap_bytes, cap_bytes(None, self.first_bucket_cap_mb, "first_bucket_cap_mb"))
+
+
+def wire_format(value: object, name: str) -> BlockFormat | None:
+    """The block format a ``wire`` option names (``None`` for ``"exact"``); raises
+    ``TypeError`` / ``ValueError`` naming the option and the choices."""
+    if isinstance(value, BlockFormat):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be 'exact', 'int8', 'int4' or a shardkit.optim.BlockFormat, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    if value == "exact":
+        return None
+    if value not in WIRE_FORMATS:
+        raise ValueError(
+            f"{name}={value!r} is not a wire format: choose 'exact', "
+            f"{', '.join(repr(k) for k in WIRE_FORMATS)} or a shardkit.optim.BlockFormat"
+        )
+    return WIRE_FORMATS[value]

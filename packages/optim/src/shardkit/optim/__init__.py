@@ -39,7 +39,8 @@ from shardkit.optim._clip import (
     check_clip_args,
     grad_norm_partial,
 )
-from shardkit.optim._comm import CommStats
+from shardkit.optim._codecs import WIRE_FORMATS, BlockFormat
+from shardkit.optim._wire import CommStats
 from shardkit.optim._dist import AllGather, global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._engine import Zero2Engine
@@ -74,6 +75,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "OSS",
     "AllGather",
+    "BlockFormat",
     "CommStats",
     "EngineOptions",
     "FlatBucket",
@@ -91,6 +93,7 @@ __all__ = [
     "ShardedOptimizer",
     "StepDriver",
     "UnsafeCheckpointError",
+    "WIRE_FORMATS",
     "Zero2Engine",
     "ZeroRedundancyOptimizer",
     "__version__",

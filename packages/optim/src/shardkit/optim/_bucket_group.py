@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import agree_call, register_call
 from shardkit.optim._clip import agree_grad_norm, check_clip_args, grad_norm_partial
-from shardkit.optim._comm import _Comm
+from shardkit.optim._wire import Codec, Exact, Wire
 from shardkit.optim._driver import ShardOwner
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._gather import _ParamGather
@@ -93,7 +93,7 @@ class BucketGroup(ShardOwner):
         self,
         index: int,
         opt: ShardedOptimizer,
-        comm: _Comm,
+        comm: Wire,
         config: EngineOptions,
         reducer: _Reducer,
         buckets: list[FlatBucket],
@@ -131,6 +131,7 @@ class BucketGroup(ShardOwner):
         self.stepper = ShardStepper(
             buckets, opt.optim_class, opt.param_groups, dict(opt.defaults), self.comm.rank,
             opt.master_dtype, master_remainder=opt.master_remainder,
+            replicas=self.config.param_wire is not None,
         )  # fmt: skip
         _allocate_grad_shards(buckets)
         self.gather = _ParamGather(
@@ -139,6 +140,9 @@ class BucketGroup(ShardOwner):
             self._module_buckets(module),
             buckets,
             self.life,
+            None
+            if self.config.param_wire is None
+            else (self.config.param_wire, self.stepper.exact_shard),
         )
 
     @property
@@ -170,9 +174,15 @@ class BucketGroup(ShardOwner):
         return sorted(self.life.buckets[k].pending)
 
     def wire_dtype(self, k: int) -> torch.dtype:
-        """The dtype bucket ``k`` is staged and reduced in. See [Note: Reduce dtype]."""
+        """The dtype bucket ``k`` is staged in. See [Note: Reduce dtype]."""
         b = self.buckets[k]
         return b.dtype if self.config.wire_dtype is None else self.config.wire_dtype
+
+    def codec(self, k: int) -> Codec:
+        """The codec of bucket ``k``'s reduce-scatter (``shardkit.optim._wire``)."""
+        if self.config.grad_wire is not None:
+            return self.config.grad_wire
+        return Exact(self.config.wire_dtype)
 
     def has_staging(self, k: int) -> bool:
         """Whether bucket ``k`` holds a staging buffer."""
@@ -225,29 +235,22 @@ class BucketGroup(ShardOwner):
         return not self.life.buckets[k].pending
 
     def launch(self, k: int) -> None:
-        """Launches bucket ``k``'s reduce-scatter into its grad shard ([Note: Staging and
-        launch order], [Note: Reduce dtype])."""
+        """Launches bucket ``k``'s reduce-scatter into its grad shard through the wire
+        ([Note: Staging and launch order], [Note: Reduce dtype])."""
         b, staging = self.buckets[k], self.life.buckets[k].staging
         assert staging is not None  # every param staged (possibly zeros) before launch
         assert b.grad_shard is not None  # allocated with the layout
         fresh = self.life.launch(k)
-        if self.wire_dtype(k) == b.dtype and fresh:
-            out = b.grad_shard
-        else:  # in place, cast or added into the shard when done
-            out = staging[self.comm.rank * b.shard : (self.comm.rank + 1) * b.shard]
         with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
-            self.life.issued(k, out, self.comm.reduce_scatter(out, staging))
+            work = self.comm.reduce_scatter(
+                staging, b.grad_shard, self.codec(k), add=not fresh, bucket=b.index
+            )
+            self.life.issued(k, b.grad_shard, work)
 
     def finish(self, k: int) -> torch.Tensor:
-        """Waits for bucket ``k``'s reduce-scatter, folds it into the grad shard, and returns
-        its staging buffer (the pool's) to the caller."""
-        b, r = self.buckets[k], self.life.buckets[k]
-        self.comm.wait(r.work)
-        if r.out is not None and b.grad_shard is not None and r.out is not b.grad_shard:
-            if r.add_out:
-                b.grad_shard.add_(r.out)
-            else:
-                b.grad_shard.copy_(r.out)
+        """Waits for bucket ``k``'s reduce-scatter (the wire folds it into the grad shard),
+        and returns its staging buffer (the pool's) to the caller."""
+        self.comm.wait(self.life.buckets[k].work)
         return self.life.finish(k)
 
     def has_reduced_grads(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from shardkit.optim._agreement import register_call
 from shardkit.optim._bucket_group import BucketGroup, agree, clip_groups
-from shardkit.optim._comm import CommStats, _Comm
+from shardkit.optim._wire import CommStats, Wire
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads
@@ -52,7 +52,7 @@ class Zero2Engine:
             raise ValueError("Zero2Engine needs at least one ShardedOptimizer, got none")
         self.optimizers = list(optimizers)
         self.options = options
-        self.comm = _Comm(self.optimizers[0].group)
+        self.comm = Wire(self.optimizers[0].group)
         self.no_sync_entries = 0
         """``no_sync()`` blocks entered since the last reduction (agreed at the next one)."""
         self.reducer = _Reducer(self.comm, options, self._agree_backward)

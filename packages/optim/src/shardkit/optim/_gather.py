@@ -32,12 +32,14 @@ gathers stay deferred.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from shardkit.optim._comm import _Comm, _Pending
+from shardkit.optim._wire import Wire, _Pending
+from shardkit.optim._codecs import BlockFormat
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_when_safe, settle
 from shardkit.optim._lifecycle import GroupLife
@@ -63,17 +65,25 @@ class _ParamGather:
         buckets: The group's buckets (their flat buffers are what the guard watches).
         life: The group's state machine, which records the pending gathers ([Note: Bucket
             group state] in ``shardkit.optim._lifecycle``).
+        deltas: With a quantized param wire, its block format and what writes a bucket's
+            exact values of this rank's range (``ShardStepper.exact_shard``): the gathers move
+            weight deltas ([Note: Weight deltas] in ``shardkit.optim._wire``).
     """
 
     def __init__(
         self,
-        comm: _Comm,
+        comm: Wire,
         overlap: bool,
         module_buckets: dict[nn.Module, list[int]],
         buckets: Sequence[FlatBucket],
         life: GroupLife,
+        deltas: tuple[BlockFormat, Callable[[FlatBucket, torch.Tensor], None]] | None = None,
     ) -> None:
         self.comm = comm
+        self.deltas = deltas
+        if deltas is not None:
+            for b in buckets:
+                comm.reserve_deltas(deltas[0], b.device, b.numel)
         self.overlap = overlap
         self.life = life
         self.module_buckets = module_buckets
@@ -106,7 +116,13 @@ class _ParamGather:
                 # supports it; Gloo gathers into a buffer of its own and copies back). Nothing
                 # writes the range before the gather is waited for: the guard makes every
                 # access wait first.
-                work = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank))
+                if self.deltas is None:
+                    work = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank), b.index)
+                else:
+                    fmt, exact = self.deltas
+                    work = self.comm.all_gather_deltas(
+                        b.flat, fmt, functools.partial(exact, b), b.index
+                    )
                 self.life.gather_issued(b.index, work)
         if not self.overlap or (self.comm.gloo and profiling()):
             if self.overlap:
@@ -152,7 +168,7 @@ class _ParamGather:
                 self.guard = None
 
 
-def _collected(comm: _Comm, pending: Mapping[int, _Pending]) -> None:
+def _collected(comm: Wire, pending: Mapping[int, _Pending]) -> None:
     """The gather of a collected wrapper: its works still in flight are waited for (Gloo and
     NCCL keep the buffers they write alive anyway) and the guard leaves the stack if nothing
     else is pending ([Note: Leaving after a collection] in ``shardkit.optim._guard``)."""

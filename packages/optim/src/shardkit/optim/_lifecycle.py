@@ -102,12 +102,10 @@ class BucketLife:
     base: torch.Tensor | None = None
     """The pool buffer ``staging`` is a prefix of (given back when the reduction finishes)."""
     work: Any = None
-    """The in-flight reduce-scatter (``shardkit.optim._comm``'s pending record)."""
+    """The in-flight reduce-scatter (``shardkit.optim._wire``'s pending record)."""
     out: torch.Tensor | None = None
-    """Where the in-flight reduce-scatter writes (``grad_shard`` or a range of ``staging``)."""
-    add_out: bool = False
-    """Whether ``out`` is added to ``grad_shard`` when the work completes (the shard held an
-    unconsumed gradient at launch), else copied (when ``out`` is not the shard itself)."""
+    """The grad shard the in-flight reduce-scatter writes (the wire writes it, or adds to it
+    when it held an unconsumed gradient at launch, when the work completes)."""
     clipped: bool = False
     """The live reduced gradient was clipped (see [Note: Clip agreement])."""
 
@@ -220,7 +218,6 @@ class GroupLife:
         if self.state is GroupState.STEPPED:
             raise self._illegal("launch", "a step is running")
         fresh = b.bucket.grad_fresh
-        b.add_out = not fresh
         b.bucket.mark_reduced()
         b.clipped = False
         b.phase = BucketPhase.IN_FLIGHT

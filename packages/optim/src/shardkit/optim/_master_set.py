@@ -298,9 +298,20 @@ class MasterSet:
             Remainder masters]); needs ``dtype=torch.float32``.
     """
 
-    def __init__(self, dtype: torch.dtype, remainder: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, remainder: bool = False, replicas: bool = False) -> None:
+        if replicas and remainder:
+            raise ValueError(
+                "master_remainder=True keeps a bf16 param's master as the param plus a remainder, "
+                "so the param must be the master's rounding; a quantized param wire (weight "
+                "deltas) keeps the params as replicas that differ from it. Use "
+                "master_remainder=False with a quantized wire_params"
+            )
         self.dtype = dtype
         self.remainder = remainder and dtype == torch.float32
+        self.replicas = replicas
+        """Replica mode ([Note: Weight deltas] in ``shardkit.optim._wire``): every floating
+        tensor has a master, and the step does not write the tensors (the wire's weight-delta
+        gather does)."""
         self._size = torch.empty((), dtype=dtype).element_size()
         self._stepped: dict[int, Stepped] = {}
         """``id(param) -> its stepped tensor``, for those with a master."""
@@ -403,6 +414,8 @@ class MasterSet:
     def covers(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is handled in ``dtype`` (by its master, on its owner):
         such gradients are never unscaled or clipped in place, owned or not."""
+        if self.replicas:
+            return p.requires_grad and p.is_floating_point()
         return needs_master(p, self.dtype)
 
     def __len__(self) -> int:
@@ -461,7 +474,7 @@ class MasterSet:
                     if s.remainder is not None:
                         s.remainder.zero_()
                         out.append(s.param)
-                    elif not torch.equal(s.tensor, s.opt.to(s.tensor.dtype)):
+                    elif self.replicas or not torch.equal(s.tensor, s.opt.to(s.tensor.dtype)):
                         s.opt.copy_(s.tensor)
                         out.append(s.param)
             self.versions.update(written)
@@ -548,7 +561,10 @@ class MasterSet:
     def write_back(self, part: Sequence[Stepped]) -> None:
         """Step 3 of [Note: Master weights]: the stepped masters cast into their tensors, or
         split into the tensors and remainders; the version of a param written in place is
-        recorded (our own write)."""
+        recorded (our own write). Nothing in replica mode (the wire's weight deltas update
+        the tensors: [Note: Weight deltas] in ``shardkit.optim._wire``)."""
+        if self.replicas:
+            return
         with torch.no_grad():
             for s in part:
                 master = s.master

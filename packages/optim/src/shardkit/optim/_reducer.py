@@ -70,7 +70,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
-from shardkit.optim._comm import _Comm
+from shardkit.optim._wire import Codec, Wire
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._lifecycle import PassLife
 from shardkit.optim._options import EngineOptions
@@ -148,6 +148,8 @@ class BucketOwner(Protocol):
 
     def wire_dtype(self, k: int) -> torch.dtype: ...
 
+    def codec(self, k: int) -> Codec: ...
+
     def has_staging(self, k: int) -> bool: ...
 
     def take_staging(self, k: int, base: torch.Tensor) -> None: ...
@@ -183,7 +185,7 @@ class _Reducer:
 
     def __init__(
         self,
-        comm: _Comm,
+        comm: Wire,
         config: EngineOptions,
         on_backward_start: Callable[[], None],
     ) -> None:
@@ -224,14 +226,11 @@ class _Reducer:
             self._size[key] = max(self._size.get(key, 0), -(-need // ALIGN) * ALIGN)
             self._free.setdefault(key, [])
             self._count.setdefault(key, 0)
-        wire: dict[tuple[torch.dtype, torch.device], int] = {}
-        for g, k in self.order:  # the reduce-scatters' receive buffers: [Note: Gloo
-            key = self._key(g, k)  # reduce-scatter point to point] in shardkit.optim._comm
-            wire[key] = max(wire.get(key, 0), g.buckets[k].numel)
-        self.comm.release_receive()
+        self.comm.release()  # the wire's buffers: [Note: Wire buffers] in shardkit.optim._wire
         keep = _MAX_STAGING if self.config.keep_staging_buffers else 0
-        for (dtype, device), numel in wire.items():
-            self.comm.reserve_receive(dtype, device, numel, keep)
+        for g, k in self.order:
+            b = g.buckets[k]
+            self.comm.reserve(g.codec(k), g.wire_dtype(k), b.device, b.numel, keep)
         if self.config.keep_staging_buffers:  # allocated once, here: [Note: Staging lifetime]
             for (dtype, device), size in self._size.items():
                 block = torch.empty(_MAX_STAGING * size, dtype=dtype, device=device)
@@ -317,9 +316,9 @@ class _Reducer:
         return (g.wire_dtype(k), g.buckets[k].device)
 
     def staging_bytes(self) -> int:
-        """Bytes of staging buffers alive now, with the comm layer's receive buffers (see
-        [Note: Staging lifetime])."""
-        return self.comm.receive_bytes() + sum(
+        """Bytes of staging buffers alive now, with the wire's buffers (see [Note: Staging
+        lifetime])."""
+        return self.comm.pool_bytes() + sum(
             n * self._size[k] * torch.empty((), dtype=k[0]).element_size()
             for k, n in self._count.items()
         )
@@ -493,7 +492,7 @@ class _Reducer:
         for key, free in self._free.items():
             self._count[key] -= len(free)
             free.clear()
-        self.comm.release_receive()
+        self.comm.release()
 
 
 # [Note: Clip agreement]

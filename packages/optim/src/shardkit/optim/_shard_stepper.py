@@ -170,6 +170,10 @@ class ShardStepper:
         master_dtype: Dtype of the master copies of lower-precision params, or ``None``.
         master_remainder: With ``master_dtype=torch.float32``: bf16 tensors keep their master
             as an int16 remainder (2 bytes per element instead of 4).
+        replicas: The params are replicas updated by weight deltas ([Note: Weight deltas] in
+            ``shardkit.optim._wire``): every stepped tensor gets a master (``master_dtype``,
+            fp32 when ``None``) and the step writes only the masters (:meth:`exact_shard`
+            gives the wire their values).
     """
 
     def __init__(
@@ -181,14 +185,21 @@ class ShardStepper:
         rank: int,
         master_dtype: torch.dtype | None,
         master_remainder: bool = False,
+        replicas: bool = False,
     ) -> None:
         self.rank = rank
+        if replicas and master_dtype is None:
+            master_dtype = torch.float32
         self.master_dtype = master_dtype
         self.master_remainder = master_remainder
         """bf16 tensors keep an int16 remainder instead of an fp32 master ([Note: Remainder
         masters under ZeRO-2])."""
+        self.replicas = replicas
+        """The params are replicas, updated by the wire's weight deltas."""
         self.masters: MasterSet | None = (
-            None if master_dtype is None else MasterSet(master_dtype, master_remainder)
+            None
+            if master_dtype is None
+            else MasterSet(master_dtype, master_remainder, replicas=replicas)
         )
         """The masters of the stepped tensors of another dtype ([Note: Master weights])."""
         self.factors = GradFactors() if self.masters is None else self.masters.factors
@@ -211,8 +222,16 @@ class ShardStepper:
                     )
         if self.masters is not None:  # from the live values, one flat buffer per device
             dtype = self.masters.dtype
-            needs = [e.stepped for e in self.all_entries() if e.tensor.dtype != dtype]
+            needs = [
+                e.stepped
+                for e in self.all_entries()
+                if e.tensor.dtype != dtype or (replicas and e.tensor.is_floating_point())
+            ]
             self.masters.attach(needs, pooled=True)
+        self._by_bucket: dict[int, list[ShardEntry]] = {}
+        """Bucket index -> the entries stepped in it."""
+        for e in self.all_entries():
+            self._by_bucket.setdefault(e.bucket.index, []).append(e)
         self._budget = self.scratch_bytes()
         """:meth:`scratch_bytes`, for :meth:`_sub_chunks` (the entries are fixed)."""
         groups = [
@@ -361,8 +380,22 @@ class ShardStepper:
 
     # ------------------------------------------------------------------ loss scaling
     def has_master(self, b: FlatBucket) -> bool:
-        """Whether the bucket's tensors are stepped through masters (another dtype)."""
-        return self.master_dtype is not None and b.dtype != self.master_dtype
+        """Whether the bucket's tensors are stepped through masters (another dtype, or
+        replicas)."""
+        return self.master_dtype is not None and (self.replicas or b.dtype != self.master_dtype)
+
+    def exact_shard(self, b: FlatBucket, out: torch.Tensor) -> None:
+        """Writes this rank's exact values of bucket ``b``'s range into ``out`` (fp32, the
+        shard's size): the masters where the rank steps a tensor, the flat buffer elsewhere
+        (padding, params that are not floating). See [Note: Weight deltas] in
+        ``shardkit.optim._wire``."""
+        start, _ = b.range_of(self.rank)
+        with torch.no_grad():
+            out.copy_(b.flat[start : start + b.shard])
+            for e in self._by_bucket.get(b.index, ()):
+                if e.master is not None:
+                    n = e.tensor.numel()
+                    out[e.start : e.start + n].copy_(e.master_value().reshape(-1))
 
     def unscale(
         self, buckets: Sequence[FlatBucket], inv_scale: torch.Tensor

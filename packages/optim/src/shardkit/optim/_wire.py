@@ -1,0 +1,573 @@
+"""The wire layer of ``ShardedDataParallel``: every collective goes through here.
+
+Each bucket collective takes a codec: :class:`Exact` (the bucket's own dtype, or the
+``reduce_dtype`` it is staged in; the collective sums) or a block format of
+``shardkit.optim._codecs`` (int8 / int4: [Note: Quantized reduce-scatter], [Note: Weight
+deltas]). The wire owns every buffer its collectives need beside the bucket's own (receive
+buffers, encoded send and receive buffers, the codec scratch: [Note: Wire buffers]) and
+counts every byte, by kind and by bucket ([Note: Byte accounting]).
+
+[Note: Byte accounting]
+Each collective is counted at the moment it is issued, with the ring model of its volume per
+rank for a buffer of ``B`` bytes over ``N`` ranks: reduce-scatter, all-gather and all-to-all
+move ``(N-1)/N * B``, all-reduce ``2(N-1)/N * B``, broadcast ``(N-1)/N * B`` (a pipelined chain,
+averaged over the ranks). ``B`` is what travels: the bucket in its wire dtype, or its encoded
+bytes, scales included (counted apart too, ``CommStats.scale_bytes``). These are the bytes a
+bandwidth-optimal implementation puts on the wire. On Gloo the reduce-scatter sends each chunk
+to its owner point to point ([Note: Gloo reduce-scatter point to point]), exactly the ring
+figure (Gloo's own reduce-scatter sends twice it), and the all-gather is one broadcast per rank
+([Note: Gloo all-gather by broadcasts]); what Gloo sends is measured by
+``benchmarks/wire_bytes.py`` (the README). The time from issue to completion is recorded by
+kind when the package waits on a work.
+
+[Note: Quantized reduce-scatter]
+With a block format for gradients (``ShardedDataParallel(wire="int8")``) a bucket's
+reduce-scatter is one all-to-all of encoded chunks: each rank encodes the ``N - 1`` chunks of
+its staged bucket that other ranks own ([Note: Block quantization on the wire] in
+``shardkit.optim._codecs``) into a send buffer of the wire's, ``all_to_all_single`` moves them
+into a receive buffer of the same size (on Gloo and NCCL alike: Gloo's all-to-all into a given
+buffer allocates nothing), and when it completes the owner sums its chunk in fp32, in rank
+order: its own contribution exact (it never travels), every other one decoded; the sum is
+written (or, when the shard holds an unconsumed gradient, added) into the grad shard. So each
+element is quantized once, by its sender, the sum is the same on every run, and a rank's
+shard does not depend on the order messages arrive in. The wire's bytes per rank are
+``(N-1)/N`` of the encoded bucket: 0.254x (int8) and 0.141x (int4) of an fp32 reduce-scatter.
+
+[Note: Weight deltas]
+With a block format for params (``wire_params``, by default ``wire``'s) the param all-gather
+moves quantized *differences*: every rank's replica of the params is the same; the owner of a
+shard keeps the exact values (a master, ``MasterSet`` of ``_master_set.py`` in replica mode,
+the step does not write the replica) and, after its step, encodes ``exact - replica`` of its
+shard into its chunk of a receive buffer of the wire's; the encoded chunks are all-gathered in
+place (Gloo: one broadcast per rank; NCCL: ``all_gather_into_tensor``), and every rank, the
+owner included, adds each decoded chunk to its replica of that chunk (fp32 decode, added in the
+params' dtype). The replicas therefore stay bit-identical across ranks, and since the next
+step's difference is taken against the replica, the rounding error of one step is carried into
+the next (error feedback with no buffer of its own). The masters cost ``4/N`` bytes per param
+for fp32 params (bf16 params with ``master_dtype`` have them already).
+
+[Note: Wire buffers]
+The wire's buffers come from one pool, by role, dtype and device, sized from the bucket layout
+(``reserve``) and reused every step: Gloo's receive buffers of ``(N-1)/N`` of the largest
+bucket (exact codecs); encoded send and receive buffers of the largest bucket (block codecs;
+two per reduce-scatter in flight, at most two in flight: the staging pool bounds them, [Note:
+Staging lifetime] in ``shardkit.optim._reducer``); one per weight-delta gather in flight, at
+most :data:`MAX_DELTA_GATHERS` (issuing another first waits for the oldest); an fp32 buffer of
+the largest shard for the differences; and the codecs' fp32 scratch of two pieces
+(``_codecs.PIECE``: 2 MiB) per device. With int8 gradients and deltas the pool holds at most
+six encoded buffers of about ``0.254x`` the largest bucket's fp32 bytes and one fp32 shard,
+besides the staging pool. ``pool_bytes()`` reports what exists; idle buffers are freed with the
+staging pool when it is not kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from shardkit.optim._codecs import PIECE, BlockFormat, decode, decode_add, encode
+from shardkit.optim._dist import global_rank
+from shardkit.optim._torch_compat import (
+    all_gather_single,
+    no_function_modes,
+    reduce_scatter_single,
+)
+
+__all__ = ["MAX_DELTA_GATHERS", "Codec", "CommStats", "Exact", "Wire"]
+
+logger = logging.getLogger("shardkit.optim")
+_logged_gloo = False
+
+MAX_DELTA_GATHERS = 2
+"""Weight-delta gathers in flight at once ([Note: Wire buffers])."""
+
+
+@dataclass(frozen=True)
+class Exact:
+    """The exact codec: values travel in ``dtype`` (``None``: the bucket's own) and the
+    collective sums them (see [Note: Reduce dtype] in ``shardkit.optim._reducer``)."""
+
+    dtype: torch.dtype | None = None
+    """The wire dtype, or ``None`` for each bucket's own."""
+
+    @property
+    def name(self) -> str:
+        """``"exact"``, or the reduce dtype's name."""
+        return "exact" if self.dtype is None else str(self.dtype).removeprefix("torch.")
+
+
+Codec = Exact | BlockFormat
+"""What a bucket collective takes: :class:`Exact` or a block format."""
+
+
+@dataclass
+class CommStats:
+    """Counters of the collectives one ``ShardedDataParallel`` issued (this rank).
+
+    ``bytes`` is the ring-model volume (see [Note: Byte accounting] in ``shardkit.optim._wire``)
+    by kind (``"reduce_scatter"``, ``"all_gather"``, ``"all_reduce"``, ``"broadcast"``);
+    ``calls`` the number of collectives by kind; ``seconds`` the time from issue to completion
+    by kind (only for works that were waited on by the package).
+    """
+
+    bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    buffer_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Plain buffer bytes (not scaled by the ring model), by kind."""
+    bucket_bytes: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
+    """Ring-model bytes by (kind, bucket index), for the bucket collectives."""
+    scale_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Ring-model bytes of block scales, by kind (included in ``bytes``)."""
+
+    def total_bytes(self) -> float:
+        """Ring-model bytes of every kind together."""
+        return float(sum(self.bytes.values()))
+
+    def reset(self) -> None:
+        """Zeroes every counter."""
+        self.bytes.clear()
+        self.calls.clear()
+        self.seconds.clear()
+        self.buffer_bytes.clear()
+        self.bucket_bytes.clear()
+        self.scale_bytes.clear()
+
+
+_RING: dict[str, Callable[[int], float]] = {
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+}
+
+
+class _Pending:
+    """An issued collective: its works (one per c10d call it took), what completes it once they
+    are done (``finish``: the local sum or decode of what was received), and when it was
+    issued."""
+
+    __slots__ = ("finish", "kind", "start", "waited", "works")
+
+    def __init__(
+        self, kind: str, works: list[dist.Work], finish: Callable[[], None] | None = None
+    ) -> None:
+        self.kind = kind
+        self.works = works
+        self.finish = finish
+        self.start = time.perf_counter()
+        self.waited = False
+
+    def done(self) -> bool:
+        """Whether every work has completed (nothing left to wait for)."""
+        return all(w.is_completed() for w in self.works)
+
+
+_Key = tuple[str, torch.dtype, torch.device]
+"""A pool buffer's (role, dtype, device)."""
+
+
+class Wire:
+    """Issues, encodes and counts every collective of one ``ShardedDataParallel``.
+
+    Args:
+        group: The process group.
+        seed: Seeds the generator of stochastic rounding (offset by the rank).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, seed: int = 0) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.global_ranks = [global_rank(group, r) for r in range(self.world)]
+        """The global rank of each group rank (broadcast sources)."""
+        self.stats = CommStats()
+        # [Note: Gloo collectives]
+        # Gloo's collectives that take a bucket allocate inside Gloo, per call, except
+        # all-reduce, broadcast, point-to-point sends and receives and an all-to-all into a given
+        # buffer (peak resident beyond the input and output, VmHWM around one call after
+        # ``malloc_trim``, world 2 and 4: ``reduce_scatter_tensor`` +1.00x the buffer, its list
+        # form +0.56x to +0.78x (it clones the chunks the rank does not own), ``all_gather`` and
+        # ``all_gather_into_tensor`` +1.00x (a temporary of the whole output); the README's
+        # table). Blocks of bucket size freed on Gloo's threads and asked for again on others
+        # stay resident on CPU. So on Gloo a step's two collectives are built from those that
+        # allocate nothing (the two notes below); NCCL, what GPU users run, reduce-scatters and
+        # all-gathers in place with no buffer of its own and gets ``reduce_scatter_tensor`` /
+        # ``all_gather_into_tensor``.
+        #
+        # [Note: Gloo reduce-scatter point to point]
+        # On Gloo the reduce-scatter sends the chunk of every other rank to it and receives
+        # that rank's contribution to this rank's chunk (one ``batch_isend_irecv`` of async
+        # sends and receives, posted in rank order on every rank, so they pair up), into a
+        # receive buffer of this layer's own of ``(N-1)/N`` of the bucket; when the works are
+        # done the received chunks are added, in rank order, to this rank's own chunk of the
+        # input, into the output. Nothing is allocated inside Gloo, each rank sends the ring's
+        # ``(N-1)/N`` of the bucket (Gloo's reduce-scatter sends twice that), and it runs
+        # 1.7-2.3x faster than Gloo's reduce-scatter on CPU (the README's figures). The receive
+        # buffers are a pool of the bucket layout: one per reduce-scatter in flight (the staging
+        # pool bounds those), of the largest bucket's size, kept with the staging pool
+        # ([Note: Staging lifetime] in ``shardkit.optim._reducer``). Two chunks sum to the same
+        # bits in either order, so at world 2 the gradients equal DDP's all-reduce bit for bit.
+        #
+        # [Note: Gloo all-gather by broadcasts]
+        # On Gloo the all-gather is one async broadcast per rank of that rank's chunk, in place
+        # in the output: nothing allocated inside Gloo (its all-gather, list form or not,
+        # receives into a temporary of the whole output: +1.00x the buffer's bytes of peak
+        # resident per call, measured with VmHWM around one call at world 2 and 4), the same
+        # bytes per rank as the ring's (N-1)/N, and 2.7-4x faster on CPU (the README's
+        # figures). Every rank issues the broadcasts in rank order, so they pair up.
+        self.gloo = dist.get_backend(group) == "gloo"
+        """Whether the group is Gloo's (its collectives run on worker threads of its own)."""
+        self._size: dict[_Key, int] = {}
+        self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seed = seed
+        self._deltas: deque[_Pending] = deque()
+        """The weight-delta gathers holding a receive buffer, oldest first."""
+        global _logged_gloo
+        if self.gloo and not _logged_gloo:
+            _logged_gloo = True
+            logger.info(
+                "ShardedDataParallel on Gloo: reduce-scatters with point-to-point sends and "
+                "receives into a buffer of its own and a local sum, all-gathers with one "
+                "broadcast per rank in place (Gloo's reduce-scatter and all-gather allocate "
+                "inside Gloo on every call; see [Note: Gloo collectives] in "
+                "shardkit.optim._wire); logged once"
+            )
+
+    def _count(self, kind: str, nbytes: int, bucket: int | None, scales: int = 0) -> None:
+        ring = _RING[kind](self.world)
+        self.stats.bytes[kind] += ring * nbytes
+        self.stats.buffer_bytes[kind] += nbytes
+        self.stats.calls[kind] += 1
+        if bucket is not None:
+            self.stats.bucket_bytes[(kind, bucket)] += ring * nbytes
+        if scales:
+            self.stats.scale_bytes[kind] += ring * scales
+
+    # ------------------------------------------------------------------ buffers
+    def reserve(self, codec: Codec, dtype: torch.dtype, device: torch.device, numel: int,
+                count: int = 0) -> None:  # fmt: skip
+        """Sizes the buffers a reduce-scatter of a bucket of ``numel`` elements of ``dtype``
+        through ``codec`` needs ([Note: Wire buffers]), and allocates them for ``count``
+        reduce-scatters in flight now if fewer exist (a kept pool); idle buffers of a smaller
+        size are dropped."""
+        if isinstance(codec, BlockFormat):
+            n = self.world * codec.nbytes(-(-numel // self.world))
+            self._reserve(("encoded", torch.uint8, device), n, 2 * count)
+            self._reserve(("sum", torch.float32, device), numel // self.world, 0)
+            self.scratch(device)
+        elif self.gloo:  # See [Note: Gloo reduce-scatter point to point]
+            self._reserve(("receive", dtype, device), numel - numel // self.world, count)
+
+    def reserve_deltas(self, fmt: BlockFormat, device: torch.device, numel: int) -> None:
+        """Sizes the buffers of a weight-delta gather of a bucket of ``numel`` elements
+        ([Note: Weight deltas])."""
+        self._reserve(
+            ("encoded", torch.uint8, device), self.world * fmt.nbytes(numel // self.world)
+        )
+        self._reserve(("delta", torch.float32, device), numel // self.world)
+        self.scratch(device)
+
+    def _reserve(self, key: _Key, numel: int, count: int = 0) -> None:
+        free = self._free.setdefault(key, [])
+        if numel > self._size.setdefault(key, 0):
+            self._size[key] = numel
+            self._drop_smaller(free, numel)
+        while len(free) < count:
+            free.append(self._new(key, self._size[key]))
+
+    def _new(self, key: _Key, numel: int) -> torch.Tensor:
+        base = torch.empty(numel, dtype=key[1], device=key[2])
+        self._bytes += base.nbytes
+        return base
+
+    def release(self) -> None:
+        """Frees the idle pool buffers (with the staging pool, when it is not kept)."""
+        for free in self._free.values():
+            self._bytes -= sum(b.nbytes for b in free)
+            free.clear()
+
+    def pool_bytes(self) -> int:
+        """Bytes of the wire's buffers that exist now, idle or in use, the codec scratch
+        included ([Note: Wire buffers])."""
+        return self._bytes + sum(s.nbytes for s in self._scratch.values())
+
+    def _take(self, key: _Key, n: int) -> torch.Tensor:
+        size = max(self._size.get(key, 0), n)
+        self._size[key] = size
+        free = self._free.setdefault(key, [])
+        self._drop_smaller(free, n)
+        return free.pop() if free else self._new(key, size)
+
+    def _give(self, key: _Key, base: torch.Tensor) -> None:
+        self._free.setdefault(key, []).append(base)
+
+    def _drop_smaller(self, free: list[torch.Tensor], n: int) -> None:
+        """Frees the idle buffers of fewer than ``n`` elements."""
+        for base in [b for b in free if b.numel() < n]:
+            free.remove(base)
+            self._bytes -= base.nbytes
+
+    def scratch(self, device: torch.device) -> torch.Tensor:
+        """The codecs' fp32 scratch on ``device`` (two pieces: [Note: Wire buffers])."""
+        s = self._scratch.get(device)
+        if s is None:
+            s = self._scratch[device] = torch.empty(2 * PIECE, device=device)
+        return s
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = torch.Generator(device=device)
+            g.manual_seed(self._seed * 1_000_003 + self.rank)
+        return g
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def reduce_scatter(
+        self,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        codec: Codec = Exact(),
+        add: bool = False,
+        bucket: int | None = None,
+    ) -> _Pending:
+        """Async SUM reduce-scatter of ``inp`` (a staged bucket, ``world * out.numel()``) into
+        ``out`` (this rank's grad shard), through ``codec``; with ``add`` the sum is added to
+        ``out`` (it holds an unconsumed gradient). ``inp`` is the caller's until the returned
+        work is waited for (:meth:`wait`)."""
+        if isinstance(codec, BlockFormat):
+            return self._reduce_scatter_blocks(inp, out, codec, add, bucket)
+        shard = inp.numel() // self.world
+        own = inp[self.rank * shard : (self.rank + 1) * shard]
+        direct = out.dtype == inp.dtype and not add
+        target = out if direct else own  # else in place, cast or added when done
+        fold = None if direct else functools.partial(_fold, out, own, add)
+        self._count("reduce_scatter", inp.nbytes, bucket)
+        if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
+            key: _Key = ("receive", inp.dtype, inp.device)
+            base = self._take(key, (self.world - 1) * shard)
+            finish = functools.partial(self._add_received, target, own, base, shard, fold)
+            if self.world == 1:
+                return _Pending("reduce_scatter", [], finish)
+            ops: list[dist.P2POp] = []
+            j = 0
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                peer, mine = self.global_ranks[r], base[j * shard : (j + 1) * shard]
+                theirs = inp[r * shard : (r + 1) * shard]
+                ops.append(dist.P2POp(dist.isend, theirs, peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, mine, peer, self.group))
+                j += 1
+            works = dist.batch_isend_irecv(ops)
+            return _Pending("reduce_scatter", list(works), finish)
+        work = reduce_scatter_single(
+            target, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        return _Pending("reduce_scatter", _works(work), fold)
+
+    def _add_received(
+        self,
+        out: torch.Tensor,
+        own: torch.Tensor,
+        base: torch.Tensor,
+        shard: int,
+        fold: Callable[[], None] | None,
+    ) -> None:
+        if out.data_ptr() != own.data_ptr():
+            out.copy_(own)
+        for j in range(self.world - 1):
+            out.add_(base[j * shard : (j + 1) * shard])
+        self._give(("receive", base.dtype, base.device), base)
+        if fold is not None:
+            fold()
+
+    def _reduce_scatter_blocks(
+        self, inp: torch.Tensor, out: torch.Tensor, fmt: BlockFormat, add: bool,
+        bucket: int | None,
+    ) -> _Pending:  # fmt: skip
+        """See [Note: Quantized reduce-scatter]."""
+        world, shard = self.world, inp.numel() // self.world
+        step = fmt.nbytes(shard)
+        key: _Key = ("encoded", torch.uint8, inp.device)
+        send, recv = self._take(key, world * step), self._take(key, world * step)
+        scratch = self.scratch(inp.device)
+        gen = self._generator(inp.device) if fmt.stochastic else None
+        for r in range(world):
+            if r != self.rank:
+                chunk = send[r * step : (r + 1) * step]
+                encode(fmt, inp[r * shard : (r + 1) * shard], chunk, scratch, gen)
+        self._count("reduce_scatter", world * step, bucket, world * fmt.scale_bytes(shard))
+        own = inp[self.rank * shard : (self.rank + 1) * shard]
+        finish = functools.partial(self._sum_decoded, fmt, out, own, recv, step, add, send)
+        if world == 1:
+            return _Pending("reduce_scatter", [], finish)
+        work = dist.all_to_all_single(
+            recv[: world * step], send[: world * step], group=self.group, async_op=True
+        )
+        return _Pending("reduce_scatter", _works(work), finish)
+
+    def _sum_decoded(
+        self, fmt: BlockFormat, out: torch.Tensor, own: torch.Tensor, recv: torch.Tensor,
+        step: int, add: bool, send: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The owner's fp32 sum in rank order ([Note: Quantized reduce-scatter])."""
+        key: _Key = ("encoded", torch.uint8, recv.device)
+        self._give(key, send)
+        direct = out.dtype == torch.float32 and not add
+        sum_base = None if direct else self._take(("sum", torch.float32, out.device), out.numel())
+        acc = out if sum_base is None else sum_base[: out.numel()]
+        scratch = self.scratch(out.device)
+        with torch.no_grad():
+            for r in range(self.world):
+                if r == self.rank:
+                    if r == 0:
+                        acc.copy_(own)
+                    else:
+                        acc.add_(own)
+                    continue
+                chunk = recv[r * step : (r + 1) * step]
+                if r == 0:
+                    decode(fmt, chunk, acc, scratch)
+                else:
+                    decode_add(fmt, chunk, acc, scratch)
+            if not direct:
+                out.add_(acc) if add else out.copy_(acc)
+        self._give(key, recv)
+        if sum_base is not None:
+            self._give(("sum", torch.float32, out.device), sum_base)
+
+    # ------------------------------------------------------------------ all-gather
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, bucket: int | None = None
+    ) -> _Pending:
+        """Async all-gather of every rank's ``inp`` into ``out`` (``inp`` may be this rank's
+        range of ``out``: in place, as the param gathers run)."""
+        self._count("all_gather", out.nbytes, bucket)
+        return self._gather_chunks(out, inp)
+
+    def _gather_chunks(
+        self, out: torch.Tensor, inp: torch.Tensor, finish: Callable[[], None] | None = None
+    ) -> _Pending:
+        if self.gloo:  # See [Note: Gloo all-gather by broadcasts]
+            chunks = out.chunk(self.world)
+            mine = chunks[self.rank]
+            if not (mine.data_ptr() == inp.data_ptr() and mine.shape == inp.shape):
+                mine.copy_(inp)
+            works = [
+                dist.broadcast(c, src=self.global_ranks[r], group=self.group, async_op=True)
+                for r, c in enumerate(chunks)
+            ]
+            return _Pending("all_gather", [w for w in works if w is not None], finish)
+        work = all_gather_single(out, inp, group=self.group, async_op=True)
+        return _Pending("all_gather", _works(work), finish)
+
+    def all_gather_deltas(
+        self,
+        flat: torch.Tensor,
+        fmt: BlockFormat,
+        exact: Callable[[torch.Tensor], None],
+        bucket: int | None = None,
+    ) -> _Pending:
+        """Async weight-delta all-gather of the replica ``flat`` ([Note: Weight deltas]):
+        ``exact(out)`` writes this rank's exact values of its chunk into the fp32 ``out``."""
+        world, shard = self.world, flat.numel() // self.world
+        step = fmt.nbytes(shard)
+        device = flat.device
+        while len(self._deltas) >= MAX_DELTA_GATHERS:  # [Note: Wire buffers]
+            self.wait(self._deltas.popleft())
+        key: _Key = ("encoded", torch.uint8, device)
+        recv = self._take(key, world * step)
+        delta_key: _Key = ("delta", torch.float32, device)
+        delta_base = self._take(delta_key, shard)
+        delta = delta_base[:shard]
+        scratch = self.scratch(device)
+        with torch.no_grad():
+            exact(delta)
+            delta.sub_(flat[self.rank * shard : (self.rank + 1) * shard])
+            gen = self._generator(device) if fmt.stochastic else None
+            encode(fmt, delta, recv[self.rank * step : (self.rank + 1) * step], scratch, gen)
+        self._give(delta_key, delta_base)
+        self._count("all_gather", world * step, bucket, world * fmt.scale_bytes(shard))
+        pending = self._gather_chunks(
+            recv[: world * step], recv[self.rank * step : (self.rank + 1) * step]
+        )
+        pending.finish = functools.partial(self._add_deltas, fmt, flat, recv, step, pending)
+        self._deltas.append(pending)
+        return pending
+
+    def _add_deltas(
+        self, fmt: BlockFormat, flat: torch.Tensor, recv: torch.Tensor, step: int,
+        pending: _Pending,
+    ) -> None:  # fmt: skip
+        shard = flat.numel() // self.world
+        scratch = self.scratch(flat.device)
+        with torch.no_grad():
+            for r in range(self.world):
+                decode_add(fmt, recv[r * step : (r + 1) * step],
+                           flat[r * shard : (r + 1) * shard], scratch)  # fmt: skip
+        self._give(("encoded", torch.uint8, recv.device), recv)
+        if pending in self._deltas:
+            self._deltas.remove(pending)
+
+    # ------------------------------------------------------------------ small collectives
+    def all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        """Blocking, counted all-gather over this wrapper's group (shardkit-optim's
+        ``AllGather``, for the state dicts)."""
+        if group is not self.group:
+            raise ValueError("ShardedDataParallel gathers state over its own process group only")
+        self.wait(self.all_gather(out, inp))
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """Blocking all-reduce (small control values: the usage mask)."""
+        self._count("all_reduce", t.nbytes, None)
+        dist.all_reduce(t, op=op, group=self.group)
+
+    def broadcast(self, t: torch.Tensor, src_group_rank: int) -> None:
+        """Blocking broadcast from group rank ``src_group_rank`` (buffers, startup sync)."""
+        self._count("broadcast", t.nbytes, None)
+        dist.broadcast(t, src=self.global_ranks[src_group_rank], group=self.group)
+
+    def wait(self, pending: _Pending | None) -> None:
+        """Waits for ``pending``, completes it (its local sum or decode) and records its
+        issue-to-completion time; nothing if it was completed already."""
+        if pending is None:
+            return
+        for work in pending.works:
+            work.wait()
+        if pending.finish is not None:
+            finish, pending.finish = pending.finish, None
+            # the wire's own reads and writes of what it received: no mode sees them, the
+            # param-access guard included (the bucket is still pending there until its
+            # owner's transition; [Note: Param access guard] in shardkit.optim._guard)
+            with no_function_modes():
+                finish()
+        if not pending.waited:
+            pending.waited = True
+            self.stats.seconds[pending.kind] += time.perf_counter() - pending.start
+
+
+def _fold(out: torch.Tensor, own: torch.Tensor, add: bool) -> None:
+    """The reduced chunk ``own`` (staging, wire dtype) into the grad shard ``out``: added when
+    it holds an unconsumed gradient, else copied (cast)."""
+    if add:
+        out.add_(own)
+    else:
+        out.copy_(own)
+
+
+def _works(work: object) -> list[dist.Work]:
+    """The work of an ``async_op=True`` c10d call, as a list (empty if it returned none)."""
+    return [] if work is None else [cast("dist.Work", work)]
