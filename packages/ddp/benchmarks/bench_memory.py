@@ -38,7 +38,8 @@ live in C++ where the live count cannot see them), ``torch_zero`` (DDP with buck
 default arguments), ``shardkit_zero2_bf16`` (bf16 params, fp32 masters), and one row per
 option of it: ``_free_staging`` (``keep_staging_buffers=False``), ``_views``
 (``gradient_as_bucket_view=True``), ``_sync_gather`` (``overlap_param_gather=False``),
-``_reduce_bf16`` (``reduce_dtype=torch.bfloat16``). The ``ddp_mmap_threshold`` and
+``_reduce_bf16`` (``reduce_dtype=torch.bfloat16``), ``_int8`` / ``_int4`` (``wire="int8"`` /
+``"int4"``: quantized collectives, fp32 masters of the owned shard). The ``ddp_mmap_threshold`` and
 ``shardkit_zero2_mmap_threshold`` rows run with ``MALLOC_MMAP_THRESHOLD_=131072`` (every block
 of 128 KiB or more mapped afresh and unmapped when freed, so resident memory follows the live
 tensors): what the same programs hold when the allocator keeps nothing freed.
@@ -87,6 +88,8 @@ _ALL = (
     "shardkit_zero2_views",
     "shardkit_zero2_sync_gather",
     "shardkit_zero2_reduce_bf16",
+    "shardkit_zero2_int8",
+    "shardkit_zero2_int4",
     "ddp_mmap_threshold",
     "shardkit_zero2_mmap_threshold",
     "torch_zero_expandable_segments",
@@ -186,6 +189,7 @@ def _build(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, Any]:
         gradient_as_bucket_view=name.endswith("views"),
         overlap_param_gather=not name.endswith("sync_gather"),
         reduce_dtype=torch.bfloat16 if name.endswith("reduce_bf16") else None,
+        wire=name.removeprefix("shardkit_zero2_") if name.endswith(("int8", "int4")) else "exact",
     )
     return sdp, model, opt
 

@@ -10,7 +10,8 @@ Method: after 3 warm-up steps, rank 0 reads the transmitted bytes of ``lo`` arou
 each followed by a barrier, then around ``K`` barriers alone; the difference divided by ``K``
 and by the world size is the wire bytes per rank per step (the rendezvous store and barriers
 cancel out). Implementations: plain DDP + AdamW, shardkit ``ShardedDataParallel`` +
-``ShardedOptimizer(AdamW)``, torch ``ZeroRedundancyOptimizer(AdamW)`` + DDP; and each
+``ShardedOptimizer(AdamW)`` with the exact wire and with ``wire="int8"`` / ``"int4"``, torch
+``ZeroRedundancyOptimizer(AdamW)`` + DDP; and each
 collective alone on a model-sized fp32 buffer (``collectives``), to compare Gloo's algorithms
 with the ring model (reduce-scatter and all-gather ``(N-1)/N`` of the buffer per rank,
 all-reduce ``2(N-1)/N``, broadcast ``(N-1)/N``; see [Note: Byte accounting] in
@@ -40,7 +41,7 @@ from bench_ddp import _WIDTH, _batch, _model, _port
 
 _K = int(os.environ.get("SHARDKIT_WIRE_STEPS", "10"))
 _WARMUP = 3
-_IMPLS = ("ddp", "shardkit", "torch_zero", "collectives")
+_IMPLS = ("ddp", "shardkit", "shardkit_int8", "shardkit_int4", "torch_zero", "collectives")
 
 
 def _lo_tx_bytes() -> int:
@@ -76,12 +77,13 @@ def _train(rank: int, world: int, impl: str) -> dict[str, Any]:
     model_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     ring = (world - 1) / world
     x = _batch(rank)
-    if impl == "shardkit":
+    if impl.startswith("shardkit"):
         from shardkit.ddp import ShardedDataParallel
         from shardkit.optim import ShardedOptimizer
 
+        wire = impl.removeprefix("shardkit").removeprefix("_") or "exact"
         opt: Any = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-3)
-        net: Any = ShardedDataParallel(m, opt, broadcast_buffers=False)
+        net: Any = ShardedDataParallel(m, opt, broadcast_buffers=False, wire=wire)
     else:
         net = DDP(m)
         if impl == "ddp":
@@ -100,14 +102,14 @@ def _train(rank: int, world: int, impl: str) -> dict[str, Any]:
 
     for _ in range(_WARMUP):
         step()
-    if impl == "shardkit":
+    if impl.startswith("shardkit"):
         net.comm_stats.reset()
-        wire = _measure(world, step)
+        sent = _measure(world, step)
         ring_bytes = net.comm_stats.total_bytes() / (_WARMUP + _K)
     else:
-        wire = _measure(world, step)
+        sent = _measure(world, step)
         ring_bytes = (2 * ring + (ring if impl == "torch_zero" else 0.0)) * model_bytes
-    return {"model_bytes": model_bytes, "wire": wire, "ring": ring_bytes}
+    return {"model_bytes": model_bytes, "wire": sent, "ring": ring_bytes}
 
 
 def _collectives(rank: int, world: int) -> dict[str, Any]:
@@ -187,7 +189,7 @@ def main() -> None:
             per[impl] = _in_namespace(impl, world)
         ddp_wire, ddp_ring = per["ddp"]["wire"], per["ddp"]["ring"]
         table: dict[str, dict[str, float]] = {}
-        for impl in ("ddp", "shardkit", "torch_zero"):
+        for impl in ("ddp", "shardkit", "shardkit_int8", "shardkit_int4", "torch_zero"):
             r = per[impl]
             table[impl] = {
                 "wire_bytes_per_rank_step": r["wire"],

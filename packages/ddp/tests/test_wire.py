@@ -283,3 +283,41 @@ def test_bad_wires_raise() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="master_remainder=False"):
         ShardedDataParallel(m16, opt16, wire="int8")
+
+
+@pytest.mark.parametrize("wire", _WIRES)
+@world(2)
+def test_grad_scaler_skips_an_overflow_sent_quantized(wire: str) -> None:
+    """An inf in one rank's gradient makes its block decode to NaN on the owner: every rank
+    skips that step (params unchanged, scale backed off); the other steps are taken."""
+    from shardkit.optim import ShardedGradScaler
+
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire=wire)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=100, group=opt.group)
+    bad = 2
+    for step in range(4):
+        hook = None
+        if step == bad and dist.get_rank() == 1:
+
+            def poison(g: torch.Tensor) -> torch.Tensor:
+                g = g.clone()
+                g[0, 0] = float("inf")
+                return g
+
+            hook = m[2].weight.register_hook(poison)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        scale = scaler.get_scale()
+        opt.zero_grad()
+        scaler.scale(_loss(sdp, step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if hook is not None:
+            hook.remove()
+        after = m.state_dict()
+        changed = any(not torch.equal(after[k], v) for k, v in before.items())
+        assert changed == (step != bad), step
+        assert (scaler.get_scale() < scale) == (step == bad), step
+        flats = _flat_everywhere(m)
+        assert all(torch.equal(flats[0], f) for f in flats)
