@@ -106,7 +106,10 @@ def _run(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
     fused = {"lr": 1e-4, "fused": True}
     systems: dict[str, tuple[nn.Module, Any]] = {}
     m = _model(layers, width)
-    systems["ddp"] = (DDP(m, gradient_as_bucket_view=True), torch.optim.AdamW(m.parameters(), **fused))
+    systems["ddp"] = (
+        DDP(m, gradient_as_bucket_view=True),
+        torch.optim.AdamW(m.parameters(), **fused),
+    )
     for name in ("guarded", "unguarded"):
         m = _model(layers, width)
         opt = ShardedOptimizer(m.parameters(), torch.optim.AdamW, **fused)

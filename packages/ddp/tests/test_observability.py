@@ -140,5 +140,7 @@ def test_extra_staging_buffer_is_logged_once() -> None:
     assert len(found) == 1, found
     # all four buckets hold a buffer at the end of backward (none launches before bucket 0);
     # the pool keeps them between steps: see [Note: Staging lifetime]
-    assert sum(sdp._engine.reducer._count.values()) == 4, sdp._engine.reducer._count
+    wire = sdp._engine.comm
+    staging = [k for k in wire._live if k[0] == "staging"]
+    assert sum(wire.live(k) for k in staging) == 4, wire._live
     assert sdp.memory_bytes()["staging"] == sdp._engine.reducer.staging_bytes() > 0

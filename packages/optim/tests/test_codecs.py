@@ -130,7 +130,10 @@ def test_bytes_per_value() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"bits": 2, "block": 64}, "bits must be 8 or 4"), ({"bits": 8, "block": 100}, "power of two")],
+    [
+        ({"bits": 2, "block": 64}, "bits must be 8 or 4"),
+        ({"bits": 8, "block": 100}, "power of two"),
+    ],
 )
 def test_bad_formats_raise(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -3,7 +3,13 @@
 from shardkit.ddp.__about__ import __version__
 from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._sharded_ddp import ShardedDataParallel
-from shardkit.optim import ELEMENTWISE_OPTIMIZERS, WIRE_FORMATS, BlockFormat, CommStats, is_elementwise
+from shardkit.optim import (
+    ELEMENTWISE_OPTIMIZERS,
+    WIRE_FORMATS,
+    BlockFormat,
+    CommStats,
+    is_elementwise,
+)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",

@@ -40,7 +40,6 @@ from shardkit.optim._clip import (
     grad_norm_partial,
 )
 from shardkit.optim._codecs import WIRE_FORMATS, BlockFormat
-from shardkit.optim._wire import CommStats
 from shardkit.optim._dist import AllGather, global_rank
 from shardkit.optim._driver import ShardLayout, ShardOwner, StepDriver
 from shardkit.optim._engine import Zero2Engine
@@ -50,8 +49,8 @@ from shardkit.optim._flat import (
     build_flat_buckets,
     is_elementwise,
 )
-from shardkit.optim._master_set import GradFactors
 from shardkit.optim._grad_scaler import ShardedGradScaler
+from shardkit.optim._master_set import GradFactors
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._profiling import profiler_range, profiling
 from shardkit.optim._relink import ParamStorageError
@@ -69,11 +68,13 @@ from shardkit.optim._torch_compat import (
     queue_end_of_backward,
     reduce_scatter_single,
 )
+from shardkit.optim._wire import CommStats
 
 __all__ = [
     "BLOCK",
     "ELEMENTWISE_OPTIMIZERS",
     "OSS",
+    "WIRE_FORMATS",
     "AllGather",
     "BlockFormat",
     "CommStats",
@@ -93,7 +94,6 @@ __all__ = [
     "ShardedOptimizer",
     "StepDriver",
     "UnsafeCheckpointError",
-    "WIRE_FORMATS",
     "Zero2Engine",
     "ZeroRedundancyOptimizer",
     "__version__",

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from shardkit.optim._agreement import agree_call, register_call
 from shardkit.optim._clip import agree_grad_norm, check_clip_args, grad_norm_partial
-from shardkit.optim._wire import Codec, Exact, Wire
 from shardkit.optim._driver import ShardOwner
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._gather import _ParamGather
@@ -57,6 +56,7 @@ from shardkit.optim._shard_state import (
 from shardkit.optim._shard_stepper import ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from shardkit.optim._state import global_params
+from shardkit.optim._wire import Codec, Exact, Wire
 from torch import nn
 
 __all__ = ["BucketGroup", "GroupState", "agree", "clip_groups"]

@@ -81,6 +81,7 @@ __all__ = ["ShardedCheckpointable", "load_consolidated", "load_sharded", "save_s
 
 logger = logging.getLogger("shardkit.optim")
 
+
 @runtime_checkable
 class ShardedCheckpointable(Protocol):
     """What an optimizer exposes to :func:`save_sharded` and :func:`load_sharded` (implemented

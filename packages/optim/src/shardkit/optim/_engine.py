@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from shardkit.optim._agreement import register_call
 from shardkit.optim._bucket_group import BucketGroup, agree, clip_groups
-from shardkit.optim._wire import CommStats, Wire
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import drop_grads
 from shardkit.optim._reducer import _Reducer, param_map
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
+from shardkit.optim._wire import CommStats, Wire
 from torch import nn
 
 __all__ = ["Zero2Engine"]

@@ -38,13 +38,13 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from shardkit.optim._wire import Wire, _Pending
 from shardkit.optim._codecs import BlockFormat
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_when_safe, settle
 from shardkit.optim._lifecycle import GroupLife
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import profiling
+from shardkit.optim._wire import Wire, _Pending
 from torch import nn
 
 __all__: list[str] = []

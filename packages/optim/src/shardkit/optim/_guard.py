@@ -258,7 +258,9 @@ def leave_when_safe() -> None:
     if guard is None or not guard.on_stack or guard.refs:
         return
     profile = sys.getprofile()
-    if guard.thread != threading.get_ident() or not (profile is None or type(profile) is _LeaveAtReturn):
+    if guard.thread != threading.get_ident() or not (
+        profile is None or type(profile) is _LeaveAtReturn
+    ):
         if not _logged_deferred:
             _logged_deferred = True
             logger.info(

@@ -70,13 +70,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
-from shardkit.optim._wire import Codec, Wire
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._lifecycle import PassLife
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import _ReducedGrad, is_placeholder
 from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import queue_end_of_backward
+from shardkit.optim._wire import Codec, Wire
 
 __all__ = ["ALIGN", "BucketOwner", "ParamMap", "check_clip", "param_map"]
 
@@ -203,9 +203,8 @@ class _Reducer:
         """The layout's param map (see :data:`ParamMap`)."""
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id(param)`` -> (param, the staging view set as its ``.grad`` in this backward)."""
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._count: dict[tuple[torch.dtype, torch.device], int] = {}
-        self._size: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._size: dict[tuple[str, torch.dtype, torch.device], int] = {}
+        """The staging buffers' size per pool key (the wire's pool holds them)."""
         self._placeholders: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []
 
@@ -216,28 +215,23 @@ class _Reducer:
         self.order = [(g, k) for g in groups for k in range(len(g.buckets))]
         self.where = where
         self.passes.reset()
-        self._free, self._count, self._size = {}, {}, {}
+        self._size = {}
         scratch_bytes = max((g.scratch_bytes() for g in groups), default=0)
         for g, k in self.order:
             key = self._key(g, k)
             # See [Note: Staging lifetime]: a buffer also holds the step's scratch
-            itemsize = torch.empty((), dtype=key[0]).element_size()
+            itemsize = torch.empty((), dtype=key[1]).element_size()
             need = max(g.buckets[k].numel, -(-scratch_bytes // itemsize))
             self._size[key] = max(self._size.get(key, 0), -(-need // ALIGN) * ALIGN)
-            self._free.setdefault(key, [])
-            self._count.setdefault(key, 0)
-        self.comm.release()  # the wire's buffers: [Note: Wire buffers] in shardkit.optim._wire
+        # One pool, the wire's, for every buffer of the collectives and the step ([Note: Wire
+        # buffers] in shardkit.optim._wire), allocated here when kept: [Note: Staging lifetime]
+        self.comm.release()
         keep = _MAX_STAGING if self.config.keep_staging_buffers else 0
         for g, k in self.order:
             b = g.buckets[k]
             self.comm.reserve(g.codec(k), g.wire_dtype(k), b.device, b.numel, keep)
-        if self.config.keep_staging_buffers:  # allocated once, here: [Note: Staging lifetime]
-            for (dtype, device), size in self._size.items():
-                block = torch.empty(_MAX_STAGING * size, dtype=dtype, device=device)
-                self._free[(dtype, device)] = [
-                    block[k * size : (k + 1) * size] for k in range(_MAX_STAGING)
-                ]
-                self._count[(dtype, device)] = _MAX_STAGING
+        for (_, dtype, device), size in self._size.items():
+            self.comm.reserve_staging(dtype, device, size, keep)
         zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._placeholders = {}
         for g, k in self.order:
@@ -312,16 +306,13 @@ class _Reducer:
         p.grad = view
 
     # ------------------------------------------------------------------ staging buffers
-    def _key(self, g: BucketOwner, k: int) -> tuple[torch.dtype, torch.device]:
-        return (g.wire_dtype(k), g.buckets[k].device)
+    def _key(self, g: BucketOwner, k: int) -> tuple[str, torch.dtype, torch.device]:
+        return ("staging", g.wire_dtype(k), g.buckets[k].device)
 
     def staging_bytes(self) -> int:
-        """Bytes of staging buffers alive now, with the wire's buffers (see [Note: Staging
-        lifetime])."""
-        return self.comm.pool_bytes() + sum(
-            n * self._size[k] * torch.empty((), dtype=k[0]).element_size()
-            for k, n in self._count.items()
-        )
+        """Bytes of the pool's buffers alive now: staging, the wire's, the codec scratch (see
+        [Note: Staging lifetime])."""
+        return self.comm.pool_bytes()
 
     def _ensure_staging(self, g: BucketOwner, k: int) -> None:
         """Lends bucket ``k`` of ``g`` a staging buffer from the pool if it holds none."""
@@ -331,7 +322,7 @@ class _Reducer:
     def _acquire(self, g: BucketOwner, k: int) -> torch.Tensor:
         global _warned_extra_staging
         key = self._key(g, k)
-        while not self._free[key] and self._count[key] >= _MAX_STAGING:
+        while not self.comm.has_idle(key) and self.comm.live(key) >= _MAX_STAGING:
             holder = next(
                 (j for j, (og, ok) in enumerate(self.passes.inflight) if self._key(og, ok) == key),
                 None,
@@ -345,15 +336,12 @@ class _Reducer:
                         "waits for params unused in this pass); allocating another staging "
                         "buffer of %d elements",
                         _MAX_STAGING,
-                        key[0],
+                        key[1],
                         self._size[key],
                     )
                 break
             self._finish(holder)
-        if self._free[key]:
-            return self._free[key].pop()
-        self._count[key] += 1
-        return torch.empty(self._size[key], dtype=key[0], device=g.buckets[k].device)
+        return self.comm.take(key, self._size[key])
 
     # ------------------------------------------------------------------ backward
     def on_grad(self, p: torch.Tensor) -> None:
@@ -435,7 +423,7 @@ class _Reducer:
     def _finish(self, index: int) -> None:
         g, k = self.passes.finished(index)
         base = g.finish(k)
-        self._free[self._key(g, k)].append(base)
+        self.comm.give(self._key(g, k), base)
 
     def finish_all(self) -> None:
         """Waits for every in-flight reduce-scatter (before a step, clip or state access)."""
@@ -452,7 +440,7 @@ class _Reducer:
     def idle_buffers(self) -> list[torch.Tensor]:
         """The staging buffers no bucket holds now: the step's scratch ([Note: Staging
         lifetime]). Valid until the next backward stages into them."""
-        return [buf for free in self._free.values() for buf in free]
+        return self.comm.idle("staging")
 
     def wait_inflight(self) -> None:
         """Waits for the in-flight reduce-scatters, in launch order (keeps the pool)."""
@@ -489,9 +477,6 @@ class _Reducer:
     # then lends those blocks to the next forward's activations, on CPU the pages stay resident
     # and every backward allocates the pool again.
     def _empty_pool(self) -> None:
-        for key, free in self._free.items():
-            self._count[key] -= len(free)
-            free.clear()
         self.comm.release()
 
 

@@ -74,9 +74,9 @@ from shardkit.optim._clip import block_norms
 from shardkit.optim._compact import CompactTensor
 from shardkit.optim._compact_optim import set_global_numels
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._master_set import GradFactors
 from shardkit.optim._master import unscale_grads
 from shardkit.optim._master_set import (
+    GradFactors,
     MasterSet,
     Scratch,
     ShardPart,
@@ -336,7 +336,9 @@ class ShardStepper:
         if masters is not None:
             dtype = masters.dtype
 
-            def lent(device: torch.device, n: int, joined: int) -> tuple[torch.Tensor, torch.Tensor]:
+            def lent(
+                device: torch.device, n: int, joined: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 both = _scratch(n + joined, dtype, device, scratch)
                 return both[:n], both[n:]
 

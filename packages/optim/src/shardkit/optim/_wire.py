@@ -52,12 +52,17 @@ The wire's buffers come from one pool, by role, dtype and device, sized from the
 bucket (exact codecs); encoded send and receive buffers of the largest bucket (block codecs;
 two per reduce-scatter in flight, at most two in flight: the staging pool bounds them, [Note:
 Staging lifetime] in ``shardkit.optim._reducer``); one per weight-delta gather in flight, at
-most :data:`MAX_DELTA_GATHERS` (issuing another first waits for the oldest); an fp32 buffer of
-the largest shard for the differences; and the codecs' fp32 scratch of two pieces
-(``_codecs.PIECE``: 2 MiB) per device. With int8 gradients and deltas the pool holds at most
-six encoded buffers of about ``0.254x`` the largest bucket's fp32 bytes and one fp32 shard,
-besides the staging pool. ``pool_bytes()`` reports what exists; idle buffers are freed with the
-staging pool when it is not kept.
+most :data:`MAX_DELTA_GATHERS` (issuing another first waits for the oldest); the fp32
+differences of a shard, in an idle staging buffer (the step is over when the gathers are issued;
+a buffer of their own only when the staging pool is not kept); the codecs' fp32 scratch of two
+pieces (``_codecs.PIECE``: 2 MiB) per device; and the backward pass's staging buffers (two of the
+largest bucket per wire dtype and device, in one block, lent to the step as its scratch: [Note:
+Staging lifetime] in ``shardkit.optim._reducer``). So one pool holds every buffer of the
+collectives and of the step, sized from the layout: two staging buffers, plus on Gloo with the
+exact wire two receive buffers of ``(N-1)/N`` of the largest bucket, or with int8 gradients and
+deltas at most six encoded buffers of about ``0.254x`` the largest bucket's fp32 bytes (int4:
+``0.141x``), and the 2 MiB scratch. ``pool_bytes()`` reports what exists; idle buffers are
+freed after each step when the staging pool is not kept.
 """
 
 from __future__ import annotations
@@ -227,6 +232,7 @@ class Wire:
         """Whether the group is Gloo's (its collectives run on worker threads of its own)."""
         self._size: dict[_Key, int] = {}
         self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._live: dict[_Key, int] = {}
         self._bytes = 0
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -275,48 +281,93 @@ class Wire:
         self._reserve(
             ("encoded", torch.uint8, device), self.world * fmt.nbytes(numel // self.world)
         )
-        self._reserve(("delta", torch.float32, device), numel // self.world)
         self.scratch(device)
 
     def _reserve(self, key: _Key, numel: int, count: int = 0) -> None:
         free = self._free.setdefault(key, [])
         if numel > self._size.setdefault(key, 0):
             self._size[key] = numel
-            self._drop_smaller(free, numel)
+            self._drop_smaller(key, numel)
         while len(free) < count:
             free.append(self._new(key, self._size[key]))
+
+    def reserve_staging(
+        self, dtype: torch.dtype, device: torch.device, numel: int, count: int
+    ) -> None:
+        """Sizes the staging buffers of ``dtype`` on ``device`` (``numel`` elements each, the
+        backward pass's: [Note: Staging lifetime] in ``shardkit.optim._reducer``) and, if
+        ``count``, allocates that many now as views of one block (kept out of the heap the
+        per-step gradients churn through)."""
+        key: _Key = ("staging", dtype, device)
+        free = self._free.setdefault(key, [])
+        self._size[key] = numel
+        self._drop_smaller(key, numel)
+        if count > self._live.get(key, 0):
+            more = count - self._live.get(key, 0)
+            block = torch.empty(more * numel, dtype=dtype, device=device)
+            self._bytes += block.nbytes
+            self._live[key] = count
+            free.extend(block[k * numel : (k + 1) * numel] for k in range(more))
 
     def _new(self, key: _Key, numel: int) -> torch.Tensor:
         base = torch.empty(numel, dtype=key[1], device=key[2])
         self._bytes += base.nbytes
+        self._live[key] = self._live.get(key, 0) + 1
         return base
 
     def release(self) -> None:
-        """Frees the idle pool buffers (with the staging pool, when it is not kept)."""
-        for free in self._free.values():
+        """Frees the idle pool buffers (when the staging pool is not kept, and with each new
+        bucket layout)."""
+        for key, free in self._free.items():
             self._bytes -= sum(b.nbytes for b in free)
+            self._live[key] = self._live.get(key, 0) - len(free)
             free.clear()
 
     def pool_bytes(self) -> int:
-        """Bytes of the wire's buffers that exist now, idle or in use, the codec scratch
+        """Bytes of the pool's buffers that exist now, idle or in use, the codec scratch
         included ([Note: Wire buffers])."""
         return self._bytes + sum(s.nbytes for s in self._scratch.values())
 
-    def _take(self, key: _Key, n: int) -> torch.Tensor:
+    def take(self, key: _Key, n: int) -> torch.Tensor:
+        """An idle buffer of ``key`` of at least ``n`` elements (of the role's size), or a new
+        one."""
         size = max(self._size.get(key, 0), n)
         self._size[key] = size
         free = self._free.setdefault(key, [])
-        self._drop_smaller(free, n)
+        self._drop_smaller(key, n)
         return free.pop() if free else self._new(key, size)
 
-    def _give(self, key: _Key, base: torch.Tensor) -> None:
+    def give(self, key: _Key, base: torch.Tensor) -> None:
+        """Returns ``base`` (taken with :meth:`take`) to the pool."""
         self._free.setdefault(key, []).append(base)
 
-    def _drop_smaller(self, free: list[torch.Tensor], n: int) -> None:
-        """Frees the idle buffers of fewer than ``n`` elements."""
+    def live(self, key: _Key) -> int:
+        """Buffers of ``key`` that exist now, idle or in use."""
+        return self._live.get(key, 0)
+
+    def has_idle(self, key: _Key) -> bool:
+        """Whether an idle buffer of ``key`` exists."""
+        return bool(self._free.get(key))
+
+    def idle(self, role: str) -> list[torch.Tensor]:
+        """The idle buffers of ``role`` (valid until someone takes them)."""
+        return [buf for key, free in self._free.items() if key[0] == role for buf in free]
+
+    def _idle_staging(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
+        """An idle staging buffer on ``device`` of at least ``nbytes``, viewed as fp32 (it stays
+        in the pool: the caller uses it before anything else can take it), or ``None``."""
+        for buf in self.idle("staging"):
+            if buf.device == device and buf.nbytes >= nbytes and buf.is_contiguous():
+                return buf.view(torch.uint8)[: nbytes - nbytes % 4].view(torch.float32)
+        return None
+
+    def _drop_smaller(self, key: _Key, n: int) -> None:
+        """Frees the idle buffers of ``key`` of fewer than ``n`` elements."""
+        free = self._free.setdefault(key, [])
         for base in [b for b in free if b.numel() < n]:
             free.remove(base)
             self._bytes -= base.nbytes
+            self._live[key] -= 1
 
     def scratch(self, device: torch.device) -> torch.Tensor:
         """The codecs' fp32 scratch on ``device`` (two pieces: [Note: Wire buffers])."""
@@ -355,7 +406,7 @@ class Wire:
         self._count("reduce_scatter", inp.nbytes, bucket)
         if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
             key: _Key = ("receive", inp.dtype, inp.device)
-            base = self._take(key, (self.world - 1) * shard)
+            base = self.take(key, (self.world - 1) * shard)
             finish = functools.partial(self._add_received, target, own, base, shard, fold)
             if self.world == 1:
                 return _Pending("reduce_scatter", [], finish)
@@ -388,7 +439,7 @@ class Wire:
             out.copy_(own)
         for j in range(self.world - 1):
             out.add_(base[j * shard : (j + 1) * shard])
-        self._give(("receive", base.dtype, base.device), base)
+        self.give(("receive", base.dtype, base.device), base)
         if fold is not None:
             fold()
 
@@ -400,7 +451,7 @@ class Wire:
         world, shard = self.world, inp.numel() // self.world
         step = fmt.nbytes(shard)
         key: _Key = ("encoded", torch.uint8, inp.device)
-        send, recv = self._take(key, world * step), self._take(key, world * step)
+        send, recv = self.take(key, world * step), self.take(key, world * step)
         scratch = self.scratch(inp.device)
         gen = self._generator(inp.device) if fmt.stochastic else None
         for r in range(world):
@@ -423,9 +474,9 @@ class Wire:
     ) -> None:  # fmt: skip
         """The owner's fp32 sum in rank order ([Note: Quantized reduce-scatter])."""
         key: _Key = ("encoded", torch.uint8, recv.device)
-        self._give(key, send)
+        self.give(key, send)
         direct = out.dtype == torch.float32 and not add
-        sum_base = None if direct else self._take(("sum", torch.float32, out.device), out.numel())
+        sum_base = None if direct else self.take(("sum", torch.float32, out.device), out.numel())
         acc = out if sum_base is None else sum_base[: out.numel()]
         scratch = self.scratch(out.device)
         with torch.no_grad():
@@ -443,9 +494,9 @@ class Wire:
                     decode_add(fmt, chunk, acc, scratch)
             if not direct:
                 out.add_(acc) if add else out.copy_(acc)
-        self._give(key, recv)
+        self.give(key, recv)
         if sum_base is not None:
-            self._give(("sum", torch.float32, out.device), sum_base)
+            self.give(("sum", torch.float32, out.device), sum_base)
 
     # ------------------------------------------------------------------ all-gather
     def all_gather(
@@ -487,9 +538,10 @@ class Wire:
         while len(self._deltas) >= MAX_DELTA_GATHERS:  # [Note: Wire buffers]
             self.wait(self._deltas.popleft())
         key: _Key = ("encoded", torch.uint8, device)
-        recv = self._take(key, world * step)
+        recv = self.take(key, world * step)
         delta_key: _Key = ("delta", torch.float32, device)
-        delta_base = self._take(delta_key, shard)
+        lent = self._idle_staging(device, 4 * shard)  # idle after the step: [Note: Wire buffers]
+        delta_base = self.take(delta_key, shard) if lent is None else lent
         delta = delta_base[:shard]
         scratch = self.scratch(device)
         with torch.no_grad():
@@ -497,7 +549,8 @@ class Wire:
             delta.sub_(flat[self.rank * shard : (self.rank + 1) * shard])
             gen = self._generator(device) if fmt.stochastic else None
             encode(fmt, delta, recv[self.rank * step : (self.rank + 1) * step], scratch, gen)
-        self._give(delta_key, delta_base)
+        if lent is None:
+            self.give(delta_key, delta_base)
         self._count("all_gather", world * step, bucket, world * fmt.scale_bytes(shard))
         pending = self._gather_chunks(
             recv[: world * step], recv[self.rank * step : (self.rank + 1) * step]
@@ -516,7 +569,7 @@ class Wire:
             for r in range(self.world):
                 decode_add(fmt, recv[r * step : (r + 1) * step],
                            flat[r * shard : (r + 1) * shard], scratch)  # fmt: skip
-        self._give(("encoded", torch.uint8, recv.device), recv)
+        self.give(("encoded", torch.uint8, recv.device), recv)
         if pending in self._deltas:
             self._deltas.remove(pending)
 
