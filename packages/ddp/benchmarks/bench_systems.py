@@ -22,7 +22,8 @@ thread each. Systems:
   (``keep_staging_buffers=False``: the staging pool freed after each step and allocated again
   by the next backward, fresh pages on CPU) and ``shardkit_zero2_views``
   (``gradient_as_bucket_view=True``: backward accumulates into the staging buffers instead of
-  a multiply-copy into them);
+  a multiply-copy into them), ``shardkit_zero2_int8`` / ``_int4`` (``wire="int8"`` /
+  ``"int4"``: quantized gradients and weight deltas);
 - bf16: ``ddp_bf16_autocast`` (fp32 model under ``torch.autocast(bfloat16)``),
   ``fsdp2_bf16`` (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``) and
   ``shardkit_zero2_bf16`` (bf16 params, fp32 masters).
@@ -85,6 +86,8 @@ _FP32 = (
     "shardkit_zero2_sync_gather",
     "shardkit_zero2_free_staging",
     "shardkit_zero2_views",
+    "shardkit_zero2_int8",
+    "shardkit_zero2_int4",
 )
 _BF16 = ("ddp_bf16_autocast", "fsdp2_bf16", "shardkit_zero2_bf16")
 _ONLY = os.environ.get("SHARDKIT_BENCH_SYS_ONLY", "")
@@ -198,6 +201,7 @@ def _build(name: str, width: int) -> _System:
             overlap_param_gather=not name.endswith("gather"),
             keep_staging_buffers=not name.endswith("free_staging"),
             gradient_as_bucket_view=name.endswith("views"),
+            wire=name[-4:] if name.endswith(("int8", "int4")) else "exact",
         )
         return _System(name, sdp, opt)
     raise ValueError(name)

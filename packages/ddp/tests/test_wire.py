@@ -7,13 +7,14 @@ reduce-scatter] and [Note: Weight deltas] in ``shardkit.optim._wire``."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from shardkit.ddp import WIRE_FORMATS, BlockFormat, ShardedDataParallel
-from shardkit.optim import ShardedOptimizer
+from shardkit.optim import ShardedOptimizer, load_sharded, save_sharded
 from shardkit.testing import world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -321,3 +322,44 @@ def test_grad_scaler_skips_an_overflow_sent_quantized(wire: str) -> None:
         assert (scaler.get_scale() < scale) == (step == bad), step
         flats = _flat_everywhere(m)
         assert all(torch.equal(flats[0], f) for f in flats)
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("wire_ckpt")
+
+
+@world(2)
+def test_save_at_world2(ckpt_root: Path) -> None:
+    """int8 wire at world 2: the model's replicas (``state_dict``) and the optimizer's masters
+    and state (``save_sharded``), for the world-3 resume below."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire="int8")
+    _train(sdp, opt, 3)
+    full = opt.state_dict(all_ranks=True)
+    if dist.get_rank() == 0:
+        torch.save(m.state_dict(), ckpt_root / "model.pt")
+        torch.save(full["master_params"], ckpt_root / "masters.pt")
+    save_sharded(opt, ckpt_root / "opt")
+
+
+@world(3)
+def test_resume_at_world3_restores_replicas_and_masters(ckpt_root: Path) -> None:
+    """N -> M: the replicas and the exact masters come back as saved, and training goes on
+    with identical replicas."""
+    m = _model()
+    m.load_state_dict(torch.load(ckpt_root / "model.pt"))
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire="int8")
+    load_sharded(opt, ckpt_root / "opt")
+    saved = torch.load(ckpt_root / "masters.pt")
+    got = opt.state_dict(all_ranks=True)["master_params"]
+    assert set(got) == set(saved)
+    for i, v in saved.items():
+        assert torch.equal(got[i], v), i
+    want = torch.load(ckpt_root / "model.pt")
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    losses = _train(sdp, opt, 4)
+    assert losses[-1] < losses[0]

@@ -22,8 +22,8 @@ even element in the low nibble). So int8 costs ``1 + 4 / block`` bytes per value
 ``0.5 + 4 / block``, scales included; with the default blocks (int8: 256, int4: 64) 1.016 and
 0.5625 bytes, 0.254x and 0.141x of fp32.
 
-Both directions work through a fixed fp32 scratch of :data:`PIECE` elements (two with
-stochastic rounding) lent by the wire layer, piece by piece, so neither allocates more than a
+Both directions work through a fixed fp32 scratch of twice :data:`PIECE` elements lent by the wire
+layer, piece by piece, so neither allocates more than a
 piece's block scales; ``tests/test_codecs.py`` checks them bit for bit against a plain torch
 reference that pads and quantizes the whole vector at once.
 """
@@ -121,8 +121,8 @@ def encode(
 ) -> None:
     """Encodes the 1-D float tensor ``x`` into ``out`` (uint8, ``fmt.nbytes(x.numel())``).
 
-    ``scratch``: fp32, at least ``min(n, PIECE)`` elements (twice that with stochastic
-    rounding), on ``x``'s device; allocated per piece when ``None``.
+    ``scratch``: fp32, at least twice ``min(n, PIECE)`` elements (rounded up to even), on
+    ``x``'s device; allocated per piece when ``None``.
     """
     n = x.numel()
     scales, codes = _parts(fmt, out, n)
@@ -137,14 +137,16 @@ def encode(
                 tmp[m:].zero_()
             full, tail = divmod(m, block)
             b0 = start // block
+            mag = _scratch(None if scratch is None else scratch[mm:], m, x.device)
+            torch.abs(tmp[:m], out=mag)  # then a plain max per block (a fused inf-norm is 10x slower)
             if full:
                 rows = tmp[: full * block].view(full, block)
-                s = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1).div_(qmax)
+                s = mag[: full * block].view(full, block).amax(1).div_(qmax)
                 scales[b0 : b0 + full].copy_(s)
                 rows.div_(torch.where(s == 0, 1.0, s).unsqueeze(1))
             if tail:
                 last = tmp[full * block : m]
-                s1 = torch.linalg.vector_norm(last, ord=float("inf")).div_(qmax)
+                s1 = mag[full * block : m].amax().div_(qmax)
                 scales[b0 + full].copy_(s1)
                 last.div_(torch.where(s1 == 0, 1.0, s1))
             if fmt.stochastic:
