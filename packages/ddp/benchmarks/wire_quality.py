@@ -3,8 +3,8 @@
 Not collected by pytest. Run (Gloo on CPU, one thread per rank)::
 
     python packages/ddp/benchmarks/wire_quality.py [--steps 300] [--cnn-steps 250] \\
-        [--seeds 0 1 2] [--world 2] [--rounds 100] [--out docs/benchmarks/wire.json] \\
-        [--plot docs/benchmarks/wire.png]
+        [--seeds 0 1 2] [--world 2] [--rounds 100] [--out docs/benchmarks/wire/quality.json] \\
+        [--plot docs/benchmarks/wire/quality.png]
 
 (``--plot`` needs matplotlib; ``--plot ''`` skips the figure.) About 2 minutes on 2 cores with
 the defaults.
@@ -63,7 +63,7 @@ communication, as ``bench_systems.py`` measures it, but run as one more entry of
 the interleaved timing (so under the same load; medians over the rounds); ``t_codec``
 (quantized wires) the encode of one model-sized fp32 vector plus ``(2N-1)/N`` times its decode
 (a rank encodes ``(N-1)/N`` of the gradients and its own ``1/N`` param delta, decodes ``(N-1)/N``
-gradient chunks and every rank's delta), measured with ``shardkit.optim._codecs``; ``bytes``
+gradient chunks and every rank's delta), measured with ``BlockFormat.encode`` / ``decode_add``; ``bytes``
 the counted bytes per rank per step (DDP: ``2(N-1)/N * 4`` per param). Each part is in the JSON
 beside the measured times, and the modelled times as ratios to DDP's. The GPT here is small
 (106k params): at these bandwidths its communication is well under a millisecond, so the
@@ -405,13 +405,12 @@ class _ComputeAlone:
 def _codec_seconds(wire: str, numel: int, world: int) -> float:
     """Encode of ``numel`` fp32 values + ``(2N-1)/N`` times their decode (median of 10)."""
     from shardkit.ddp import WIRE_FORMATS
-    from shardkit.optim._codecs import PIECE, decode_add, encode
 
     fmt = WIRE_FORMATS[wire]
     x = torch.randn(numel, generator=_gen(7))
     enc = torch.empty(fmt.nbytes(numel), dtype=torch.uint8)
     out = torch.zeros(numel)
-    scratch = torch.empty(min(numel, PIECE) + 1)
+    scratch = torch.empty(fmt.scratch_numel(numel))
 
     def timed(f: Callable[[], None]) -> float:
         ts = []
@@ -421,8 +420,8 @@ def _codec_seconds(wire: str, numel: int, world: int) -> float:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts[2:])
 
-    t_enc = timed(lambda: encode(fmt, x, enc, scratch))
-    t_dec = timed(lambda: decode_add(fmt, enc, out, scratch))
+    t_enc = timed(lambda: fmt.encode(x, enc, scratch))
+    t_dec = timed(lambda: fmt.decode_add(enc, out, scratch))
     return t_enc + (2 * world - 1) / world * t_dec
 
 
@@ -654,8 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes-world", type=int, default=4, help="world of the cnn byte count")
     parser.add_argument("--bytes-steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=100, help="step-time rounds")
-    parser.add_argument("--out", default="docs/benchmarks/wire.json")
-    parser.add_argument("--plot", default="docs/benchmarks/wire.png")
+    parser.add_argument("--out", default="docs/benchmarks/wire/quality.json")
+    parser.add_argument("--plot", default="docs/benchmarks/wire/quality.png")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()

@@ -44,6 +44,9 @@ _VARIANTS: dict[str, dict[str, Any]] = {
     "sync_gather": {"ddp": {"overlap_param_gather": False}},
     "clip": {"clip": True},
     "clip_bf16_masters": {"clip": True, "bf16": True},
+    "wire_int8": {"ddp": {"wire": "int8"}},
+    "wire_int4_bf16_masters": {"ddp": {"wire": "int4"}, "bf16": True},
+    "wire_int8_accumulation": {"ddp": {"wire": "int8"}, "no_sync": 2, "clip": True},
 }
 
 
