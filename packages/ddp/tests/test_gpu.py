@@ -138,3 +138,45 @@ def test_nccl_world1_steps_allocate_nothing_new() -> None:
 @world(2, timeout=180)
 def test_gloo_ranks_sharing_a_gpu_allocate_nothing_new() -> None:
     _no_churn()
+
+
+def _quantized_wire(wire: str) -> None:
+    """``wire="int8"`` / ``"int4"`` on CUDA tensors: replicas bit-identical on every rank after
+    every step, the loss falling, the counted bytes those of the format."""
+    device = rank_cuda_device()
+    model = _net(device, torch.float32)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, fused=True)
+    sdp = ShardedDataParallel(model, opt, wire=wire, bucket_cap_mb=0.1)
+    losses = []
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    x = torch.randn(8, _WIDTH, device=device, generator=g)
+    for _ in range(_STEPS + 4):
+        opt.zero_grad()
+        loss = sdp(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        flat = torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+        every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, flat)
+        assert all(torch.equal(every[0], f) for f in every)
+    assert losses[-1] < losses[0]
+    n = sum(p.numel() for p in model.parameters())
+    moved = sdp.comm_stats.bytes["reduce_scatter"] + sdp.comm_stats.bytes["all_gather"]
+    world_size = dist.get_world_size()
+    if world_size > 1:
+        ratio = moved / (_STEPS + 4) / (2 * (world_size - 1) / world_size * 4 * n)
+        assert ratio < (0.3 if wire == "int8" else 0.16), ratio
+
+
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+@world(1, backend="nccl")
+def test_nccl_world1_quantized_wire(wire: str) -> None:
+    _quantized_wire(wire)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+@world(2, timeout=180)
+def test_gloo_ranks_sharing_a_gpu_quantized_wire(wire: str) -> None:
+    _quantized_wire(wire)
