@@ -22,35 +22,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 _WIRES = ["int8", "int4"]
 
 
-def ref_encode(fmt: BlockFormat, x: torch.Tensor) -> torch.Tensor:
-    """The codec's bytes, computed the textbook way (scales, then codes)."""
-    n, nb = x.numel(), fmt.blocks(x.numel())
-    xp = torch.zeros(nb * fmt.block)
-    xp[:n] = x.float()
-    rows = xp.view(nb, fmt.block)
-    s = rows.abs().amax(1) / fmt.qmax
-    q = (rows / torch.where(s == 0, 1.0, s)[:, None]).round()
-    q = q.clamp(-fmt.qmax, fmt.qmax).nan_to_num(0.0).reshape(-1)
-    if fmt.bits == 8:
-        codes = q.to(torch.int8).view(torch.uint8)
-    else:
-        u = (q + 8).to(torch.uint8)
-        codes = u[0::2] | (u[1::2] << 4)
-    return torch.cat([s.view(torch.uint8), codes])
-
-
-def ref_decode(fmt: BlockFormat, enc: torch.Tensor, n: int) -> torch.Tensor:
-    nb = fmt.blocks(n)
-    s, c = enc[: 4 * nb].view(torch.float32), enc[4 * nb :]
-    if fmt.bits == 8:
-        q = c.view(torch.int8).float()
-    else:
-        q = torch.stack([(c & 15).float() - 8, (c >> 4).float() - 8], 1).reshape(-1)
-    return (q.view(nb, fmt.block) * s[:, None]).reshape(-1)[:n]
-
-
 def _rt(fmt: BlockFormat, x: torch.Tensor) -> torch.Tensor:
-    return ref_decode(fmt, ref_encode(fmt, x), x.numel())
+    """``x`` encoded and decoded: the codec itself (shardkit-optim's ``tests/test_codecs.py``
+    checks it bit for bit against a plain torch reference); what this file checks is the step
+    built around it."""
+    enc = torch.empty(fmt.nbytes(x.numel()), dtype=torch.uint8)
+    fmt.encode(x, enc)
+    out = torch.empty(x.numel())
+    fmt.decode(enc, out)
+    return out
 
 
 def _batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +52,8 @@ def _flat_everywhere(model: nn.Module) -> list[torch.Tensor]:
 def test_the_quantized_step_is_the_reference_bit_for_bit(wire: str) -> None:
     """One param, one bucket, SGD: the reduced gradient is each rank's own chunk exact plus
     the others' decoded chunks, summed in fp32 in rank order; the owner's master steps; the
-    replica adds the decoded difference. A plain torch model of that gives the same bits."""
+    replica adds the decoded difference. A plain torch model of that (with the codec) gives the
+    same bits."""
     fmt = WIRE_FORMATS[wire]
     world_size, lr = dist.get_world_size(), 0.5
     torch.manual_seed(0)
