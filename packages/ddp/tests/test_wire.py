@@ -146,14 +146,19 @@ def test_replicas_stay_identical_and_track_ddp(wire: str, mode: str) -> None:
 @world(2)
 def test_quantized_gradients_with_exact_params_and_the_reverse() -> None:
     """Per-direction wires: each one alone also keeps the replicas identical; exact params
-    under quantized gradients need no masters."""
-    for wire, params in (("int8", "exact"), ("exact", "int4")):
+    under quantized gradients need no masters. Stochastic rounding (a ``BlockFormat``) too: the
+    owner draws, every rank decodes the same codes."""
+    stochastic = BlockFormat(8, 128, stochastic=True)
+    wires: list[tuple[Any, Any]] = [("int8", "exact"), ("exact", "int4"), (stochastic, None)]
+    for wire, params in wires:
         m = _model()
         opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
         sdp = ShardedDataParallel(m, opt, wire=wire, wire_params=params, bucket_cap_mb=0.02)
         losses = _train(sdp, opt, 6)
         assert losses[-1] < losses[0]
         assert ("master_params" in opt.state_dict()) == (params != "exact")
+        if wire is stochastic:
+            assert sdp.comm_stats.calls["reduce_scatter"] > 0
 
 
 @world(2)
