@@ -349,3 +349,67 @@ def test_resume_at_world3_restores_replicas_and_masters(ckpt_root: Path) -> None
         assert torch.equal(v, want[k]), k
     losses = _train(sdp, opt, 4)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"overlap_param_gather": False},
+        {"keep_staging_buffers": False},
+        {"gradient_as_bucket_view": True},
+        {"elementwise": False},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+@world(2)
+def test_every_option_with_a_quantized_wire(options: dict[str, Any]) -> None:
+    """The wrapper's options compose with ``wire="int8"``: replicas identical after every step
+    and the loss falling (``elementwise=False``: whole params per owner)."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire="int8", bucket_cap_mb=0.02, **options)
+    losses = _train(sdp, opt, 6)
+    assert losses[-1] < losses[0]
+
+
+@world(2)
+def test_refresh_trainable_with_a_quantized_wire() -> None:
+    """Freezing a layer mid-training rebuilds the layout: the replicas stay identical, the
+    frozen layer keeps its values, training goes on."""
+    m = _model()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire="int8", bucket_cap_mb=0.02)
+    _train(sdp, opt, 3)
+    before = opt.state_dict(all_ranks=True)["master_params"]
+    m[0].requires_grad_(False)
+    sdp.refresh_trainable()
+    after = opt.state_dict(all_ranks=True)["master_params"]
+    for i in range(2, len(before)):  # the exact masters of the params that stay trainable
+        assert torch.equal(after[i], before[i]), i
+    frozen = m.state_dict()["0.weight"].clone()
+    losses = _train(sdp, opt, 3)
+    assert torch.equal(m.state_dict()["0.weight"], frozen)
+    assert losses[-1] < losses[0]
+    m[0].requires_grad_(True)
+    _train(sdp, opt, 2)
+    assert not torch.equal(m.state_dict()["0.weight"], frozen)
+
+
+@world(2)
+def test_two_optimizers_with_a_quantized_wire() -> None:
+    """fairscale's ``ShardedDataParallel(model, [opt1, opt2])`` with ``wire="int4"``: each
+    optimizer steps and gathers its own params, replicas identical."""
+    m = _model()
+    first = [p for n, p in m.named_parameters() if n.startswith("0.")]
+    rest = [p for n, p in m.named_parameters() if not n.startswith("0.")]
+    o1 = ShardedOptimizer(first, optim=torch.optim.AdamW, lr=1e-2)
+    o2 = ShardedOptimizer(rest, optim=torch.optim.SGD, lr=1e-2, momentum=0.9)
+    sdp = ShardedDataParallel(m, [o1, o2], wire="int4")
+    for step in range(4):
+        o1.zero_grad()
+        o2.zero_grad()
+        _loss(sdp, step).backward()
+        o1.step()
+        o2.step()
+        flats = _flat_everywhere(m)
+        assert all(torch.equal(flats[0], f) for f in flats)
