@@ -27,6 +27,9 @@ shardkit-ddp, shardkit-checkpoint and their siblings, tqdm and matplotlib instal
    entropy of the text's characters (the floor of a model that sees no context) and of a
    character given the previous one, and the bytes per parameter each rank held with ZeRO-2 and
    with DDP at each world size.
+7. ``--wire int8`` (or ``int4``) runs ZeRO-2 with quantized collectives
+   (``ShardedDataParallel(..., wire="int8")``: block-quantized gradients and weight deltas, a
+   quarter of DDP's bytes): its loss then follows DDP's closely rather than exactly.
 
 Each phase is one ``torchrun`` launch; to run them by hand (one or many nodes)::
 
@@ -77,13 +80,13 @@ TEXT = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 # ----------------------------------------------------------------------------- the data
 
 
-
 _BUCKET_MB = 0.25
 """Gradient bucket cap (MiB) of both runs, sized for this small model: with DDP's default 25 MiB
 one bucket would hold the whole model, and ZeRO-2 keeps a staging pool of two buckets between
 steps (shardkit-ddp's ``keep_staging_buffers``), which on a 0.6M-param model would be two
 copies of the gradients; 0.25 MiB buckets keep it under 1 byte per param, as the default
 buckets do on a model of 30M params or more."""
+
 
 def read_text(path: Path = TEXT) -> str:
     """The training text: the file without its leading ``# `` source note."""
@@ -238,8 +241,12 @@ class Job:
     optimizer: torch.optim.Optimizer
 
 
-def build(name: str, cfg: GPTConfig, device: torch.device, lr: float, ckpt: Path | None) -> Job:
-    """A job from the same initial weights (seed 0), resumed from ``ckpt`` when given."""
+def build(
+    name: str, cfg: GPTConfig, device: torch.device, lr: float, ckpt: Path | None,
+    wire: str = "exact",
+) -> Job:  # fmt: skip
+    """A job from the same initial weights (seed 0), resumed from ``ckpt`` when given; ZeRO-2's
+    collectives travel as ``wire`` says (``"exact"``, ``"int8"``, ``"int4"``)."""
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if name == "ddp":
@@ -256,7 +263,7 @@ def build(name: str, cfg: GPTConfig, device: torch.device, lr: float, ckpt: Path
     if ckpt is not None:  # the weights first: ShardedDataParallel lays them out in its buckets
         checkpoint.load(model.state_dict(), ckpt / "zero2-model")
     zero = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.01)
-    wrapped = ShardedDataParallel(model, zero, bucket_cap_mb=_BUCKET_MB)
+    wrapped = ShardedDataParallel(model, zero, bucket_cap_mb=_BUCKET_MB, wire=wire)
     if ckpt is not None:
         load_sharded(zero, ckpt / "zero2-optimizer")  # each rank reads the shard it owns now
     return Job(name, model, wrapped, zero)
@@ -352,7 +359,7 @@ def train(args: argparse.Namespace) -> None:
     n_params = 0
     for name in ("ddp", "zero2"):  # one after the other: each job's memory counted alone
         baseline = set(live_storages([], device))
-        job = build(name, cfg, device, args.lr, ckpt)
+        job = build(name, cfg, device, args.lr, ckpt, args.wire)
         n_params = sum(p.numel() for p in job.model.parameters())
         losses, held = run(job, args, data, cfg, start_step, phase, baseline)
         gathered: list[Any] = [None] * world_size
@@ -498,6 +505,8 @@ def _torchrun(nproc: int, args: argparse.Namespace, extra: list[str]) -> None:
         str(args.lr),
         "--out",
         args.out,
+        "--wire",
+        args.wire,
     ]
     argv = ["--standalone", "--nproc-per-node", str(nproc), str(script), *forwarded, *extra]
     shown = shlex.join(["torchrun", *argv]).replace(str(script), os.path.relpath(script))
@@ -529,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--short", action="store_true", help="a quick run (20 steps per phase) for tests"
+    )
+    parser.add_argument(
+        "--wire",
+        default="exact",
+        choices=["exact", "int8", "int4"],
+        help="how ZeRO-2's gradients and params travel: exact, or block-quantized int8 / int4 "
+        "(a quarter / an eighth of DDP's bytes)",
     )
     args = parser.parse_args(argv)
     if args.short:
