@@ -142,8 +142,10 @@ class _ParamGather:
         """Waits for every gather still in flight."""
         if self.pending:
             with phase("wait_params"):
-                for index in sorted(self.pending, reverse=True):
-                    self.comm.wait(self.life.gather_done(index))
+                # one at a time, the pending set read again each time: a wait can complete
+                # others (the guard's poll runs on any torch call a completion makes)
+                while self.pending:
+                    self.comm.wait(self.life.gather_done(max(self.pending)))
             self._drained()
         settle()
 
@@ -170,10 +172,12 @@ class _ParamGather:
 
 def _collected(comm: Wire, pending: Mapping[int, _Pending]) -> None:
     """The gather of a collected wrapper: its works still in flight are waited for (Gloo and
-    NCCL keep the buffers they write alive anyway) and the guard leaves the stack if nothing
-    else is pending ([Note: Leaving after a collection] in ``shardkit.optim._guard``)."""
+    NCCL keep the buffers they write alive anyway), with nothing decoded into params nobody
+    holds (a weight-delta gather's completion would run inside the collection), and the guard
+    leaves the stack if nothing else is pending ([Note: Leaving after a collection] in
+    ``shardkit.optim._guard``)."""
     for work in list(pending.values()):
-        comm.wait(work)
+        comm.abandon(work)
     leave_when_safe()
 
 

@@ -563,9 +563,12 @@ class Wire:
         self, fmt: BlockFormat, flat: torch.Tensor, recv: torch.Tensor, step: int,
         pending: _Pending,
     ) -> None:  # fmt: skip
-        shard = flat.numel() // self.world
-        scratch = self.scratch(flat.device)
-        with torch.no_grad():
+        # The decode reads and writes the flat buffer, which is still pending for the
+        # param-access guard until its owner's transition ([Note: Param access guard] in
+        # shardkit.optim._guard): no mode sees the wire's own reads and writes.
+        with no_function_modes(), torch.no_grad():
+            shard = flat.numel() // self.world
+            scratch = self.scratch(flat.device)
             for r in range(self.world):
                 decode_add(fmt, recv[r * step : (r + 1) * step],
                            flat[r * shard : (r + 1) * shard], scratch)  # fmt: skip
@@ -593,6 +596,15 @@ class Wire:
         self._count("broadcast", t.nbytes, None)
         dist.broadcast(t, src=self.global_ranks[src_group_rank], group=self.group)
 
+    def abandon(self, pending: _Pending) -> None:
+        """Waits for ``pending``'s works and drops its completion (what it received is not
+        summed or decoded): its owner was collected."""
+        for work in pending.works:
+            work.wait()
+        pending.finish = None
+        if pending in self._deltas:
+            self._deltas.remove(pending)
+
     def wait(self, pending: _Pending | None) -> None:
         """Waits for ``pending``, completes it (its local sum or decode) and records its
         issue-to-completion time; nothing if it was completed already."""
@@ -602,11 +614,7 @@ class Wire:
             work.wait()
         if pending.finish is not None:
             finish, pending.finish = pending.finish, None
-            # the wire's own reads and writes of what it received: no mode sees them, the
-            # param-access guard included (the bucket is still pending there until its
-            # owner's transition; [Note: Param access guard] in shardkit.optim._guard)
-            with no_function_modes():
-                finish()
+            finish()
         if not pending.waited:
             pending.waited = True
             self.stats.seconds[pending.kind] += time.perf_counter() - pending.start
