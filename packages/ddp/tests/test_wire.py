@@ -413,3 +413,35 @@ def test_two_optimizers_with_a_quantized_wire() -> None:
         o2.step()
         flats = _flat_everywhere(m)
         assert all(torch.equal(flats[0], f) for f in flats)
+
+
+class _EdgeShapes(nn.Module):
+    """Params where sharding breaks: a scalar, one element, an empty one, fewer elements than
+    ranks, and an odd count (int4 pairs), beside a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scalar = nn.Parameter(torch.tensor(0.5))
+        self.one = nn.Parameter(torch.randn(1))
+        self.empty = nn.Parameter(torch.randn(0, 3))
+        self.few = nn.Parameter(torch.randn(1, 1))
+        self.odd = nn.Parameter(torch.randn(7, 3))
+        self.layer = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x) * self.scalar + self.one + self.few + self.empty.sum()
+        return y + self.odd.sum() * 1e-2
+
+
+@pytest.mark.parametrize("wire", _WIRES)
+@pytest.mark.parametrize("cap", [0.0001, 25.0], ids=["bucket_per_param", "one_bucket"])
+@world(3)
+def test_edge_shapes_at_world3(wire: str, cap: float) -> None:
+    """Every edge shape with a quantized wire at world 3 (chunks of padded buckets, blocks
+    cut by the shards): replicas identical after every step, the loss falling."""
+    m = _EdgeShapes()
+    opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    sdp = ShardedDataParallel(m, opt, wire=wire, bucket_cap_mb=cap)
+    losses = _train(sdp, opt, 6)
+    assert losses[-1] < losses[0]
