@@ -48,7 +48,7 @@ def _reduce_all(life: GroupLife) -> None:
         for i in range(len(b.bucket.params)):
             life.stage(k, i, real=True)
         life.launch(k)
-        life.issued(k, torch.zeros(1), object())
+        life.issued(k, object())
     for k in range(len(life.buckets)):
         life.finish(k)
 
@@ -99,7 +99,7 @@ def test_a_second_backward_accumulates_and_zero_grad_discards() -> None:
         (lambda life: life.finish(0), r"finish\(\) in state IDLE: bucket \d+ is IDLE"),
         (lambda life: life.launch(0), r"launch\(\) in state IDLE: bucket \d+ is IDLE"),
         (lambda life: life.stage(0, 0, real=True), r"stage\(\) in state IDLE"),
-        (lambda life: life.issued(0, torch.zeros(1), None), r"issued\(\) in state IDLE"),
+        (lambda life: life.issued(0, None), r"issued\(\) in state IDLE"),
         (lambda life: life.step_done(), r"step_done\(\) in state IDLE: no step is running"),
         (lambda life: life.gather_done(0), r"gather_done\(\) in state IDLE: bucket 0 has no"),
         (lambda life: life.gather_issued(0, None), r"gather_issued\(\) in state IDLE"),
@@ -126,7 +126,7 @@ def test_illegal_calls_mid_cycle() -> None:
         life.stage(0, 0, real=True)
     assert life.buckets[0].used == set()  # zeros staged: not used
     life.launch(0)
-    life.issued(0, torch.zeros(1), object())
+    life.issued(0, object())
     assert life.state is GroupState.REDUCING and life.in_flight()
     for call, name in (
         (life.stepped, "stepped"),
@@ -186,7 +186,7 @@ def test_random_calls_keep_the_invariants(calls: list[str], k: int) -> None:
                     life.stage(k, i, real=True)
             elif name == "launch":
                 life.launch(k)
-                life.issued(k, torch.zeros(1), object())
+                life.issued(k, object())
             elif name == "finish":
                 life.finish(k)
             elif name == "step":

@@ -142,7 +142,7 @@ class BucketGroup(ShardOwner):
             self.life,
             None
             if self.config.param_wire is None
-            else (self.config.param_wire, self.stepper.exact_shard),
+            else (self.config.param_wire, self.stepper.delta_shard),
         )
 
     @property
@@ -245,7 +245,7 @@ class BucketGroup(ShardOwner):
             work = self.comm.reduce_scatter(
                 staging, b.grad_shard, self.codec(k), add=not fresh, bucket=b.index
             )
-            self.life.issued(k, b.grad_shard, work)
+            self.life.issued(k, work)
 
     def finish(self, k: int) -> torch.Tensor:
         """Waits for bucket ``k``'s reduce-scatter (the wire folds it into the grad shard),

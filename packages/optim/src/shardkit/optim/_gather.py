@@ -66,8 +66,8 @@ class _ParamGather:
         life: The group's state machine, which records the pending gathers ([Note: Bucket
             group state] in ``shardkit.optim._lifecycle``).
         deltas: With a quantized param wire, its block format and what writes a bucket's
-            exact values of this rank's range (``ShardStepper.exact_shard``): the gathers move
-            weight deltas ([Note: Weight deltas] in ``shardkit.optim._wire``).
+            ``exact - replica`` of this rank's range (``ShardStepper.delta_shard``): the
+            gathers move weight deltas ([Note: Weight deltas] in ``shardkit.optim._wire``).
     """
 
     def __init__(
@@ -119,9 +119,9 @@ class _ParamGather:
                 if self.deltas is None:
                     work = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank), b.index)
                 else:
-                    fmt, exact = self.deltas
+                    fmt, delta = self.deltas
                     work = self.comm.all_gather_deltas(
-                        b.flat, fmt, functools.partial(exact, b), b.index
+                        b.flat, fmt, functools.partial(delta, b), b.index
                     )
                 self.life.gather_issued(b.index, work)
         if not self.overlap or (self.comm.gloo and profiling()):

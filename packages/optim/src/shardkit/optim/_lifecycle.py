@@ -103,9 +103,6 @@ class BucketLife:
     """The pool buffer ``staging`` is a prefix of (given back when the reduction finishes)."""
     work: Any = None
     """The in-flight reduce-scatter (``shardkit.optim._wire``'s pending record)."""
-    out: torch.Tensor | None = None
-    """The grad shard the in-flight reduce-scatter writes (the wire writes it, or adds to it
-    when it held an unconsumed gradient at launch, when the work completes)."""
     clipped: bool = False
     """The live reduced gradient was clipped (see [Note: Clip agreement])."""
 
@@ -224,12 +221,13 @@ class GroupLife:
         self._move("launch", GroupState.REDUCING)
         return fresh
 
-    def issued(self, k: int, out: torch.Tensor, work: Any) -> None:
-        """Records bucket ``k``'s issued reduce-scatter (its work and where it writes)."""
+    def issued(self, k: int, work: Any) -> None:
+        """Records bucket ``k``'s issued reduce-scatter (its work; the wire writes or adds the
+        result into the grad shard when it completes)."""
         b = self._expect("issued", k, BucketPhase.IN_FLIGHT)
         if b.work is not None:
             raise self._illegal("issued", f"bucket {b.bucket.index} already has a work")
-        b.out, b.work = out, work
+        b.work = work
 
     def finish(self, k: int) -> torch.Tensor:
         """Bucket ``k``'s reduce-scatter was waited for and folded into its shard:
@@ -239,7 +237,7 @@ class GroupLife:
         base = b.base
         if base is None:
             raise self._illegal("finish", f"bucket {b.bucket.index} holds no staging buffer")
-        b.work = b.out = b.base = b.staging = None
+        b.work = b.base = b.staging = None
         b.phase = BucketPhase.IDLE
         done = self.state is GroupState.REDUCING and all(
             x.phase is BucketPhase.IDLE and not x.pending for x in self.buckets

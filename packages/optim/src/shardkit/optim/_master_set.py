@@ -414,8 +414,6 @@ class MasterSet:
     def covers(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is handled in ``dtype`` (by its master, on its owner):
         such gradients are never unscaled or clipped in place, owned or not."""
-        if self.replicas:
-            return p.requires_grad and p.is_floating_point()
         return needs_master(p, self.dtype)
 
     def __len__(self) -> int:

@@ -172,8 +172,8 @@ class ShardStepper:
             as an int16 remainder (2 bytes per element instead of 4).
         replicas: The params are replicas updated by weight deltas ([Note: Weight deltas] in
             ``shardkit.optim._wire``): every stepped tensor gets a master (``master_dtype``,
-            fp32 when ``None``) and the step writes only the masters (:meth:`exact_shard`
-            gives the wire their values).
+            fp32 when ``None``) and the step writes only the masters (:meth:`delta_shard`
+            gives the wire their difference from the replica).
     """
 
     def __init__(
@@ -194,8 +194,6 @@ class ShardStepper:
         self.master_remainder = master_remainder
         """bf16 tensors keep an int16 remainder instead of an fp32 master ([Note: Remainder
         masters under ZeRO-2])."""
-        self.replicas = replicas
-        """The params are replicas, updated by the wire's weight deltas."""
         self.masters: MasterSet | None = (
             None
             if master_dtype is None
@@ -384,20 +382,24 @@ class ShardStepper:
     def has_master(self, b: FlatBucket) -> bool:
         """Whether the bucket's tensors are stepped through masters (another dtype, or
         replicas)."""
-        return self.master_dtype is not None and (self.replicas or b.dtype != self.master_dtype)
+        masters = self.masters
+        return masters is not None and (masters.replicas or b.dtype != masters.dtype)
 
-    def exact_shard(self, b: FlatBucket, out: torch.Tensor) -> None:
-        """Writes this rank's exact values of bucket ``b``'s range into ``out`` (fp32, the
-        shard's size): the masters where the rank steps a tensor, the flat buffer elsewhere
-        (padding, params that are not floating). See [Note: Weight deltas] in
+    def delta_shard(self, b: FlatBucket, out: torch.Tensor) -> None:
+        """Writes ``exact - replica`` of this rank's range of bucket ``b`` into ``out`` (fp32,
+        the shard's size): each stepped tensor's master minus the tensor, 0 elsewhere (the
+        padding: the replica is exact there). See [Note: Weight deltas] in
         ``shardkit.optim._wire``."""
-        start, _ = b.range_of(self.rank)
         with torch.no_grad():
-            out.copy_(b.flat[start : start + b.shard])
+            out.zero_()
             for e in self._by_bucket.get(b.index, ()):
                 if e.master is not None:
                     n = e.tensor.numel()
-                    out[e.start : e.start + n].copy_(e.master_value().reshape(-1))
+                    torch.sub(
+                        e.master_value().reshape(-1),
+                        e.tensor.detach().reshape(-1),
+                        out=out[e.start : e.start + n],
+                    )
 
     def unscale(
         self, buckets: Sequence[FlatBucket], inv_scale: torch.Tensor

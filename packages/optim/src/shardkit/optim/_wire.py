@@ -492,8 +492,10 @@ class Wire:
                     decode(fmt, chunk, acc, scratch)
                 else:
                     decode_add(fmt, chunk, acc, scratch)
-            if not direct:
-                out.add_(acc) if add else out.copy_(acc)
+            if add:
+                out.add_(acc)
+            elif not direct:
+                out.copy_(acc)
         self.give(key, recv)
         if sum_base is not None:
             self.give(("sum", torch.float32, out.device), sum_base)
@@ -527,11 +529,11 @@ class Wire:
         self,
         flat: torch.Tensor,
         fmt: BlockFormat,
-        exact: Callable[[torch.Tensor], None],
+        delta: Callable[[torch.Tensor], None],
         bucket: int | None = None,
     ) -> _Pending:
         """Async weight-delta all-gather of the replica ``flat`` ([Note: Weight deltas]):
-        ``exact(out)`` writes this rank's exact values of its chunk into the fp32 ``out``."""
+        ``delta(out)`` writes ``exact - replica`` of this rank's chunk into the fp32 ``out``."""
         world, shard = self.world, flat.numel() // self.world
         step = fmt.nbytes(shard)
         device = flat.device
@@ -542,13 +544,12 @@ class Wire:
         delta_key: _Key = ("delta", torch.float32, device)
         lent = self._idle_staging(device, 4 * shard)  # idle after the step: [Note: Wire buffers]
         delta_base = self.take(delta_key, shard) if lent is None else lent
-        delta = delta_base[:shard]
+        diff = delta_base[:shard]
         scratch = self.scratch(device)
         with torch.no_grad():
-            exact(delta)
-            delta.sub_(flat[self.rank * shard : (self.rank + 1) * shard])
+            delta(diff)
             gen = self._generator(device) if fmt.stochastic else None
-            encode(fmt, delta, recv[self.rank * step : (self.rank + 1) * step], scratch, gen)
+            encode(fmt, diff, recv[self.rank * step : (self.rank + 1) * step], scratch, gen)
         if lent is None:
             self.give(delta_key, delta_base)
         self._count("all_gather", world * step, bucket, world * fmt.scale_bytes(shard))
