@@ -1,4 +1,4 @@
-"""What the param-access guard costs (issue 35; [Note: Param access guard] in shardkit.optim._guard).
+"""What the param-access guard costs (issue 35; [Note: Param access guard] in shardkit.optim._gather).
 
 With ``overlap_param_gather=True`` (default) a ``TorchFunctionMode`` sees every torch function
 on the training thread from the end of ``step()`` until the last param gather is waited for.
@@ -61,7 +61,7 @@ def _model(layers: int, width: int) -> nn.Sequential:
 
 def _per_call_us() -> tuple[float, float]:
     """The guard's own time per inspected call and per metadata call (microseconds)."""
-    from shardkit.optim._guard import _ParamGuard, _Spans
+    from shardkit.optim._gather import _ParamGuard, _Spans
 
     class _Pending:
         """A gather pending on a bucket the loop's tensor is not in: every call is matched,
@@ -99,7 +99,6 @@ def _per_call_us() -> tuple[float, float]:
 
 def _run(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
     import shardkit.optim._gather as gather_module
-    import shardkit.optim._guard as guard_module
     from shardkit.ddp import ShardedDataParallel
     from shardkit.optim import ShardedOptimizer
 
@@ -126,7 +125,7 @@ def _run(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
             gather_module.arm = real_arm if name != "unguarded" else (lambda gather: None)
             # two steps in a row, the second timed: its forward meets the first's gathers
             for timed in (False, True):
-                guard = getattr(guard_module._local, "guard", None)
+                guard = getattr(gather_module._local, "guard", None)
                 c0, i0 = (guard.calls, guard.inspected) if guard is not None else (0, 0)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -136,7 +135,7 @@ def _run(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
                 if r and timed:
                     times[name].append(time.perf_counter() - t0)
                     if name == "guarded":
-                        guard = guard_module._local.guard
+                        guard = gather_module._local.guard
                         calls.append(guard.calls - c0)
                         inspected.append(guard.inspected - i0)
     gather_module.arm = real_arm

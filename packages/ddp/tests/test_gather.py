@@ -1,7 +1,7 @@
 """Param all-gathers overlapped with the next forward (``overlap_param_gather``, default), and
 the guard that makes them invisible: every torch function on the training thread that touches
 a param whose gather is pending waits for that bucket first ([Note: Deferred param gather] in
-``shardkit.optim._gather``, [Note: Param access guard] in ``shardkit.optim._guard``).
+``shardkit.optim._gather``, [Note: Param access guard] in ``shardkit.optim._gather``).
 
 The post-step accesses of users (EMA, norms, clamps, load_state_dict) are checked bit for bit
 against DDP in ``tests-integration/test_post_step_access_parity.py``; this module checks the
@@ -16,7 +16,7 @@ import threading
 import weakref
 
 import pytest
-import shardkit.optim._guard as guard_module
+import shardkit.optim._gather as guard_module
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -233,7 +233,7 @@ def test_guard_leaves_the_stack_under_the_users_modes() -> None:
 def test_guard_leaves_right_after_the_call_that_completed_the_last_gather(path: str) -> None:
     """A torch call that reads every param after ``step()`` waits for every gather inside the
     guard's own call; the guard is off the stack by the next statement, with no wrapper call
-    in between ([Note: Leaving after a collection] in shardkit.optim._guard), whichever
+    in between ([Note: Leaving after a collection] in shardkit.optim._gather), whichever
     dispatch path (C++ for ``torch._foreach_norm``, ``torch.overrides`` for a Python-level
     torch function) made the call."""
     torch.manual_seed(0)

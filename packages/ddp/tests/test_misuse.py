@@ -172,3 +172,25 @@ def test_zero1_only_calls_raise_clearly_under_the_wrapper_and_leave_it_usable() 
     assert not _unchanged(before, m)
     opt.consolidate_state_dict(recipient_rank=0)
     assert opt.state_dict()["param_groups"][0]["lr"] == 1e-2
+
+
+@world(2)
+def test_a_graph_left_in_grad_by_no_sync_is_refused_at_the_next_forward() -> None:
+    """``create_graph=True`` under ``no_sync()`` leaves a ``.grad`` that requires grad; ZeRO-2
+    reduces detached gradients, so the next training forward raises on every rank, before any
+    collective; a synchronised ``create_graph=True`` backward (reduced at once) trains on."""
+    m, opt, sdp = _wrapped()
+    _loss(sdp, 0).backward(create_graph=True)  # synchronised: staged detached, no graph left
+    opt.step()
+    opt.zero_grad()
+    with sdp.no_sync():
+        _loss(sdp, 1).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match=r"\.grad that requires grad .*higher-order"):
+        _loss(sdp, 2)
+    sdp.eval()
+    with torch.no_grad():
+        _loss(sdp, 2)  # evaluation is not refused
+    sdp.train()
+    opt.zero_grad()
+    _loss(sdp, 2).backward()
+    opt.step()

@@ -12,7 +12,7 @@ import gc
 import weakref
 
 import pytest
-import shardkit.optim._guard as guard_module
+import shardkit.optim._gather as guard_module
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel

@@ -49,7 +49,7 @@ def _worker(
 ) -> None:
     from shardkit.optim import agree_call
     from shardkit.optim._agreement import _CALLS, _code
-    from shardkit.optim._exchange import channel
+    from shardkit.optim._agreement import channel
 
     torch.set_num_threads(1)
     if store == "file":

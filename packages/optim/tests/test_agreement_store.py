@@ -21,7 +21,7 @@ import torch.distributed as dist
 from _optim_testkit import train
 from shardkit.optim import ShardedOptimizer, agree_call
 from shardkit.optim._agreement import CONSOLIDATE_CALL, STEP_CALL
-from shardkit.optim._exchange import GaveUp, _Channel, channel
+from shardkit.optim._agreement import GaveUp, _Channel, channel
 from shardkit.optim._torch_compat import default_store
 from shardkit.partition import all_gather_objects
 from shardkit.testing import world
@@ -190,7 +190,7 @@ def test_each_channel_of_a_group_has_its_own_keys() -> None:
 @world(2, timeout=90)
 def test_the_protocol_on_a_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's store: blocking waits on a client of the channel's own."""
-    import shardkit.optim._exchange as exchange_module
+    import shardkit.optim._agreement as exchange_module
 
     rank = dist.get_rank()
     server = (
@@ -233,7 +233,7 @@ def test_a_store_failure_names_the_call_and_the_store(monkeypatch: pytest.Monkey
 
 
 def test_records_round_trip() -> None:
-    from shardkit.optim._exchange import _decode, _encode_gave_up, _encode_outcome
+    from shardkit.optim._agreement import _decode, _encode_gave_up, _encode_outcome
 
     maxes = (1, -(2**62), 0, 1)
     assert _decode(_encode_outcome(maxes, None).encode()) == (maxes, None)

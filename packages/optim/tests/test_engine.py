@@ -43,6 +43,7 @@ _SURFACE = {
     "load_full_state_dict": "(self, k: 'int', state_dict: 'dict[str, Any]') -> 'None'",
     "memory_bytes": "(self) -> 'Mapping[str, int]'",
     "reduce": "(self) -> 'None'",
+    "refuse_graph_grads": "(self) -> 'None'",
     "set_sync": "(self, enabled: 'bool') -> 'None'",
     "stats": "property",
     "trainable_changed": "(self, params: 'Iterable[torch.Tensor]') -> 'bool'",
@@ -103,6 +104,7 @@ def test_a_minimal_adapter_trains_like_the_averaged_reference() -> None:
     group = engine.groups[0]
     for step in range(3):
         engine.forward_started()
+        engine.refuse_graph_grads()  # placeholders from the last backward are skipped unread
         model(_batch(step, rank)).square().sum().backward()
         assert not engine.in_backward and engine.has_reduced_grads()
         opt.step()
@@ -117,3 +119,20 @@ def test_a_minimal_adapter_trains_like_the_averaged_reference() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert isinstance(engine.stats, CommStats) and engine.stats.calls["reduce_scatter"] > 0
     assert engine.memory_bytes()["grads"] > 0
+
+
+@world(2)
+def test_a_grad_that_requires_grad_is_refused_before_the_forward() -> None:
+    """A ``no_sync()`` backward with ``create_graph=True`` leaves a ``.grad`` with a graph:
+    the engine reduces detached gradients, so the adapter's next training forward raises."""
+    model = _net()
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    engine = _adapt(model, opt)
+    engine.set_sync(False)
+    model(_batch(0, dist.get_rank())).square().sum().backward(create_graph=True)
+    engine.set_sync(True)
+    with pytest.raises(RuntimeError, match=r"has a \.grad that requires grad .*create_graph"):
+        engine.refuse_graph_grads()
+    opt.zero_grad(set_to_none=True)
+    engine.refuse_graph_grads()
+    engine.close()

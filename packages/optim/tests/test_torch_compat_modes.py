@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardkit.optim._torch_compat import functorch_base, push_function_mode, remove_function_mode
+from shardkit.optim._torch_compat import (
+    function_mode_at,
+    function_mode_count,
+    functorch_base,
+    pop_function_mode,
+    push_function_mode,
+    remove_function_mode,
+)
 from torch.overrides import TorchFunctionMode
 
 
@@ -43,6 +50,24 @@ def test_remove_a_mode_from_under_another_keeps_the_others_in_order() -> None:
         t.add_(1)
         assert log == ["low"]
     assert torch._C._len_torch_function_stack() == depth
+
+
+def test_the_stack_calls_see_and_take_the_top_mode() -> None:
+    """``function_mode_count`` / ``function_mode_at`` / ``pop_function_mode``: what the guard's
+    leave reads first (the guard on top: one pop)."""
+    log: list[str] = []
+    low, top = _Tag("low", log), _Tag("top", log)
+    depth = function_mode_count()
+    t = torch.ones(1)
+    with low:
+        push_function_mode(top)
+        assert function_mode_count() == depth + 2
+        assert function_mode_at(depth + 1) is top and function_mode_at(depth) is low
+        assert pop_function_mode() is top
+        assert function_mode_count() == depth + 1
+        t.add_(1)
+        assert log == ["low"]
+    assert function_mode_count() == depth
 
 
 def test_a_mode_is_off_the_stack_while_its_own_handler_runs() -> None:

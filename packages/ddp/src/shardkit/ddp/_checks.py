@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from shardkit.optim import (
     ShardedOptimizer,
-    agree_call,
     agree_values,
     global_params,
     register_call,
@@ -34,13 +33,6 @@ _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # when it raises, so a rank that raised can exit.
 FORWARD = register_call("ShardedDataParallel forward (buffer broadcast)")
 REFRESH = register_call("ShardedDataParallel.refresh_trainable()")
-
-
-def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
-    """Whether every rank of ``opt``'s group entered ``call`` with the same ``digest``
-    (bounded by ``opt.collective_timeout``). See [Note: Wrapper agreements]."""
-    same, _, _ = agree_call(call, opt.group, opt.collective_timeout, digest=digest)
-    return bool(same)
 
 
 def optimizers_of(given: object) -> list[ShardedOptimizer]:

@@ -16,12 +16,17 @@ A profiler trace of a step shows, under ``shardkit.ddp.``:
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 from typing import Any
 
-from shardkit.optim import profiler_range
+from shardkit.optim import profiler_range, profiling
 
-__all__: list[str] = []
+__all__ = ["NO_RANGE", "phase", "profiling"]
+
+NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
+"""The no-op range a per-forward path uses without a call when nobody profiles:
+``phase(...) if profiling() else NO_RANGE`` (``profiling`` is torch's C flag)."""
 
 
 def phase(name: str, index: int | None = None) -> AbstractContextManager[Any]:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from shardkit.ddp._checks import (
     FORWARD,
     REFRESH,
-    agree,
     agree_plan,
     agree_structure,
     check_params,
@@ -26,7 +25,7 @@ from shardkit.ddp._checks import (
 )
 from shardkit.ddp._config import ShardedDataParallelConfig
 from shardkit.ddp._module_copy import drop_deepcopy_plain, make_deepcopy_plain, our_hook
-from shardkit.ddp._profiling import phase
+from shardkit.ddp._profiling import NO_RANGE, phase, profiling
 from shardkit.optim import (
     BlockFormat,
     CommStats,
@@ -35,6 +34,7 @@ from shardkit.optim import (
     ParamStorageError,
     ShardedOptimizer,
     Zero2Engine,
+    agree_call,
     build_flat_buckets,
     global_params,
     is_elementwise,
@@ -115,7 +115,7 @@ class ShardedDataParallel(nn.Module):
             would show. Another thread, raw pointers and C++ extensions are not seen: call
             :meth:`wait_params` before them. ``False``: ``step()`` returns once every param is
             gathered. See [Note: Deferred param gather] in ``shardkit.optim._gather`` and
-            [Note: Param access guard] in ``shardkit.optim._guard``.
+            [Note: Param access guard] in ``shardkit.optim._gather``.
         reduce_dtype: the dtype gradients are staged and reduce-scattered in (``None``: each
             bucket's own dtype). ``torch.float16`` / ``torch.bfloat16`` on an fp32 model halve
             the bytes on the wire (like DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``);
@@ -412,14 +412,7 @@ class ShardedDataParallel(nn.Module):
                 "a new ShardedOptimizer and ShardedDataParallel to train again"
             )
         if self.training and torch.is_grad_enabled():
-            for b in self._buckets:
-                for p in b.params:
-                    if p.grad is not None and p.grad.requires_grad:
-                        raise RuntimeError(
-                            f"a param of shape {tuple(p.shape)} has a .grad that requires grad "
-                            f"(double backward / create_graph=True): ShardedDataParallel reduces "
-                            f"detached gradients; use torch DDP for higher-order gradients"
-                        )
+            self._engine.refuse_graph_grads()
             if self._engine.trainable_changed(self.module.parameters()):
                 self._refuse_new_params()
                 if self.auto_refresh_trainable:
@@ -428,7 +421,7 @@ class ShardedDataParallel(nn.Module):
         buffers = list(self.module.buffers()) if self.broadcast_buffers else []
         if buffers and self._sync_buffers_next:
             self._agree(FORWARD)  # See [Note: Wrapper agreements]
-            with torch.no_grad(), phase("broadcast_buffers"):
+            with torch.no_grad(), phase("broadcast_buffers") if profiling() else NO_RANGE:
                 for buf in buffers:
                     self._engine.broadcast(buf, 0)
         out = self.module(*args, **kwargs)
@@ -529,14 +522,18 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ agreement
     def _agree(self, call: str, digest: int = 0) -> bool:
-        """See [Note: Wrapper agreements] in ``shardkit.ddp._checks``."""
-        return agree(call, self.sharded_optimizers[0], digest)
+        """Whether every rank of the optimizers' group entered ``call`` with the same ``digest``
+        (bounded by ``collective_timeout``). See [Note: Wrapper agreements] in
+        ``shardkit.ddp._checks``."""
+        opt = self.sharded_optimizers[0]
+        same, _, _ = agree_call(call, opt.group, opt.collective_timeout, digest=digest)
+        return bool(same)
 
     def wait_params(self) -> None:
         """Waits for every param all-gather still in flight.
 
         Torch functions on the training thread wait by themselves ([Note: Param access guard]
-        in ``shardkit.optim._guard``); call this before params are read where no torch function
+        in ``shardkit.optim._gather``); call this before params are read where no torch function
         is seen: from another thread, through a raw pointer or a C++ extension.
         """
         self._engine.wait_params()

@@ -43,9 +43,11 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._gather import _ParamGather
 from shardkit.optim._lifecycle import GroupLife, GroupState
 from shardkit.optim._options import EngineOptions
-from shardkit.optim._placeholders import drop_grads, is_placeholder
+from shardkit.optim._placeholders import _ReducedGrad
+from shardkit.optim._profiling import NO_RANGE
 from shardkit.optim._profiling import zero2_phase as phase
-from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip
+from shardkit.optim._torch_compat import profiling
+from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip, drop_grads
 from shardkit.optim._relink import refusal, relink
 from shardkit.optim._shard_state import (
     ParkedState,
@@ -217,7 +219,7 @@ class BucketGroup(ShardOwner):
         assert staging is not None  # the pass gives a staging buffer first
         p = b.params[i]
         view = staging[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
-        if grad is None or is_placeholder(grad):  # no new gradient in this pass
+        if grad is None or type(grad) is _ReducedGrad:  # no new gradient in this pass
             life.stage(k, i, real=False)
             view.zero_()
             return
@@ -241,7 +243,8 @@ class BucketGroup(ShardOwner):
         assert staging is not None  # every param staged (possibly zeros) before launch
         assert b.grad_shard is not None  # allocated with the layout
         fresh = self.life.launch(k)
-        with phase("reduce_scatter", b.index):  # See [Note: Profiler ranges]
+        # See [Note: Profiler ranges]
+        with phase("reduce_scatter", b.index) if profiling() else NO_RANGE:
             work = self.comm.reduce_scatter(
                 staging, b.grad_shard, self.codec(k), add=not fresh, bucket=b.index
             )
@@ -282,11 +285,12 @@ class BucketGroup(ShardOwner):
             with torch.enable_grad():
                 loss = closure()
             self.last_closure_loss, self.closure_order = loss, next(_closures)
-        with phase("step"):  # See [Note: Profiler ranges] in shardkit.ddp._profiling
+        # See [Note: Profiler ranges] in shardkit.ddp._profiling
+        with phase("step") if profiling() else NO_RANGE:
             # Hyper-parameters, requires_grad and the call itself, agreed before any shard
             # moves (shardkit-optim's [Note: Call agreement]).
             # See [Note: Params that left their bucket] in shardkit.optim._relink
-            moved = [(b, i) for b in self.buckets for i in b.moved()]
+            moved = [(b, i) for b in self.buckets for i in _moved(b)]
             refused = refusal(moved, self.shapes) if moved else None
             self.opt.check_step(self._trainable_error() or refused)
             self.wait_params()
@@ -294,12 +298,13 @@ class BucketGroup(ShardOwner):
                 relink(moved, self.stepper.reseed)
             self.reducer.wait_inflight()  # every group's: the pool is the step's scratch
             unused = self._global_unused()
-            with phase("local_step"):  # See [Note: Staging lifetime] in shardkit.optim._reducer
+            # See [Note: Staging lifetime] in shardkit.optim._reducer
+            with phase("local_step") if profiling() else NO_RANGE:
                 scratch = self.reducer.idle_buffers()
                 self.stepper.step(unused, scratch=scratch)
             self.life.stepped()
             self.reducer.trim_pool()
-            with phase("all_gather"):
+            with phase("all_gather") if profiling() else NO_RANGE:
                 self.gather.issue(self.buckets)
             self.life.step_done()
         return loss
@@ -314,7 +319,7 @@ class BucketGroup(ShardOwner):
             return set()
         used = [i in r.used for b, r in live for i in range(len(b.params))]
         mask = torch.tensor(used, dtype=torch.uint8, device=live[0][0].device)
-        with phase("usage"):
+        with phase("usage") if profiling() else NO_RANGE:
             self.comm.all_reduce(mask, op=dist.ReduceOp.MAX)
         if all(used):  # this rank used every param: so did the union
             return set()
@@ -481,6 +486,19 @@ def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
 
 
 # ---------------------------------------------------------------------- clipping
+def _moved(b: FlatBucket) -> list[int]:
+    """Positions of ``b``'s params that are no longer the view of ``flat`` they were laid out
+    as (their storage was replaced: ``p.data = t``, a dtype round trip); see [Note: Params that
+    left their bucket] in ``shardkit.optim._relink``. Reads ``data_ptr()``: call it with no
+    param gather of the bucket pending."""
+    base, size, dtype = b.flat.data_ptr(), b.flat.element_size(), b.flat.dtype
+    return [
+        i
+        for i, p in enumerate(b.params)
+        if p.dtype is not dtype or (p.numel() > 0 and p.data_ptr() != base + b.offsets[i] * size)
+    ]
+
+
 def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float) -> torch.Tensor:
     """Clips the reduced gradients of ``groups`` by their global norm (over every rank's
     shard); returns the norm. Collective. The norm is shardkit-optim's one sharded clip (its
@@ -489,7 +507,7 @@ def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float
     first = groups[0]
     reducer, comm = first.reducer, first.comm
     agree(CLIP, first.opt)  # See [Note: Wrapper agreements] in shardkit.ddp._checks
-    with phase("clip_grad_norm"):
+    with phase("clip_grad_norm") if profiling() else NO_RANGE:
         reducer.finish_all()
         for g in groups:
             g.wait_params()

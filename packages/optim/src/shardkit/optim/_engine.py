@@ -26,8 +26,8 @@ from shardkit.optim._agreement import register_call
 from shardkit.optim._bucket_group import BucketGroup, agree, clip_groups
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._options import EngineOptions
-from shardkit.optim._placeholders import drop_grads
-from shardkit.optim._reducer import _Reducer, param_map
+from shardkit.optim._placeholders import _ReducedGrad
+from shardkit.optim._reducer import _Reducer, drop_grads, param_map
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from shardkit.optim._wire import CommStats, Wire
 from torch import nn
@@ -108,6 +108,25 @@ class Zero2Engine:
         for g in self.groups:
             g.gather.before_module(module)
 
+    def refuse_graph_grads(self) -> None:
+        """Raises if a param's ``.grad`` requires grad (a backward with ``create_graph=True``
+        under ``no_sync()`` accumulated a graph into it): the engine reduces detached gradients.
+        A module adapter calls it before a forward in training with grad enabled. Reduced-grad
+        placeholders ([Note: Reduced-grad placeholders]) are skipped without being read.
+
+        Raises:
+            RuntimeError: naming the param's shape and what to use instead.
+        """
+        for b in self.buckets:
+            for p in b.params:
+                g = p.grad
+                if g is not None and type(g) is not _ReducedGrad and g.requires_grad:
+                    raise RuntimeError(
+                        f"a param of shape {tuple(p.shape)} has a .grad that requires grad "
+                        f"(double backward / create_graph=True): ShardedDataParallel reduces "
+                        f"detached gradients; use torch DDP for higher-order gradients"
+                    )
+
     def forward_started(self) -> None:
         """A forward starts: forgets a backward that raised before its end."""
         self.reducer.end_aborted_pass()
@@ -156,7 +175,7 @@ class Zero2Engine:
         """Ends the engine's hold on the module: waits for every pending param gather (the
         param-access guard leaves the stack), removes the gradient hooks and the ``.grad``
         placeholders; the groups then refuse ``step()``. Local; never touches the process
-        group. See [Note: The window belongs to the wrapper] in ``shardkit.optim._guard``."""
+        group. See [Note: The window belongs to the wrapper] in ``shardkit.optim._gather``."""
         if self.in_backward:
             raise RuntimeError(
                 "ShardedDataParallel.close() was called inside a backward pass; call it after "

@@ -36,7 +36,7 @@ partition restricted to one bucket.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -122,22 +122,21 @@ class FlatBucket:
     grad_shard: torch.Tensor | None = None
     """This rank's reduced gradient, ``shard`` elements (the driver allocates it)."""
     grad_fresh: bool = True
-    """Whether ``grad_shard`` holds no gradient yet since the last step / zero_grad."""
+    """Whether ``grad_shard`` holds no gradient yet since the last step / zero_grad (written by
+    the owner of the bucket's life: shardkit-optim's [Note: Bucket group state])."""
+    numel: int = field(init=False, repr=False)
+    """Elements of the (padded) flat buffer, ``world * shard``."""
+    dtype: torch.dtype = field(init=False, repr=False)
+    """Dtype of the params (and of ``flat``)."""
+    device: torch.device = field(init=False, repr=False)
+    """Device of the params (and of ``flat``)."""
 
-    @property
-    def numel(self) -> int:
-        """Elements of the (padded) flat buffer."""
-        return self.shard * self.world
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the params (and of ``flat``)."""
-        return self.flat.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the params (and of ``flat``)."""
-        return self.flat.device
+    def __post_init__(self) -> None:
+        # plain attributes, not properties: read on every gradient and launch (``flat`` is
+        # never replaced; its storage may move, its dtype and device do not)
+        self.numel = self.shard * self.world
+        self.dtype = self.flat.dtype
+        self.device = self.flat.device
 
     def attach_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Gives the bucket the buffer its reduced gradient is written into (the driver
@@ -171,19 +170,6 @@ class FlatBucket:
         """Records that the reduced gradient was consumed (a step or ``zero_grad``): the next
         reduction overwrites ``grad_shard`` (``grad_fresh`` becomes true)."""
         self.grad_fresh = True
-
-    def moved(self) -> list[int]:
-        """Positions of the params that are no longer the view of ``flat`` they were laid out
-        as (their storage was replaced: ``p.data = t``, a dtype round trip); see shardkit-optim's
-        [Note: Params that left their bucket]. Reads ``data_ptr()``: call it with no param
-        gather of the bucket pending."""
-        base, size, dtype = self.flat.data_ptr(), self.flat.element_size(), self.flat.dtype
-        return [
-            i
-            for i, p in enumerate(self.params)
-            if p.dtype is not dtype
-            or (p.numel() > 0 and p.data_ptr() != base + self.offsets[i] * size)
-        ]
 
     def range_of(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``flat`` owned by ``rank``."""

@@ -1,4 +1,5 @@
-"""The param all-gathers of ``ShardedDataParallel``, overlapped with the next forward.
+"""The param all-gathers of ``ShardedDataParallel``, overlapped with the next forward, and the
+param-access guard that keeps them invisible.
 
 [Note: Deferred param gather]
 With ``overlap_param_gather`` (default) the all-gathers of a step stay in flight when ``step()``
@@ -6,9 +7,9 @@ returns, issued in *reverse* bucket order (buckets are planned in reverse regist
 so this is roughly the order forward needs them; the order is the same on every rank). A
 pending gather is waited on (and forgotten) by the forward pre-hook of each submodule that
 holds params of that bucket (FSDP2's pre-forward unshard, Megatron's ``overlap_param_gather``),
-and, for every other access, by the param-access guard ([Note: Param access guard] in
-``shardkit.optim._guard``): any torch function on the training thread that touches the storage of
-a pending bucket waits for it first, so reads and writes between ``step()`` and the next
+and, for every other access, by the param-access guard ([Note: Param access guard] below):
+any torch function on the training thread that touches the storage of a pending bucket waits
+for it first, so reads and writes between ``step()`` and the next
 forward, or in a forward on a path no pre-hook covers, see what DDP would show. The wrapper's
 own entry points that read every param (the next step, clipping, ``wait_params()``,
 ``state_dict()`` / ``load_state_dict()`` of any module holding params, ``copy.deepcopy``, the
@@ -28,28 +29,404 @@ deferred gather is exactly that when a profile ends after ``step()``, as
 Gloo, ``step()`` issued while a profiler runs waits for its gathers before it returns (logged
 once); without a profiler, and on NCCL (its collectives are recorded on the launching thread),
 gathers stay deferred.
+
+[Note: Param access guard]
+With ``overlap_param_gather`` (default) ``step()`` returns while the param all-gathers are still
+in flight ([Note: Deferred param gather]). Until a bucket's gather
+is waited for, the ranges of its flat buffer that other ranks own hold the previous step's
+values, and a write there would be overwritten when the gather lands. DDP, FSDP2 and DeepSpeed
+have no such window, so a user's read or write in it must not see one either: an EMA update, a
+norm logged after ``step()``, ``p.clamp_()`` (WGAN), ``load_state_dict``, or a forward that
+reads a param through another path than its module (a functional head, a tied weight).
+
+So from the end of ``step()`` until the last pending gather is waited for, a
+``TorchFunctionMode`` (:class:`_ParamGuard`) sits on the training thread's torch-function mode
+stack. Every torch function called on that thread passes through it (torch ops, tensor
+methods, ``.detach()``, ``.numpy()``, ``.tolist()``, ``foreach`` ops, in-place writes,
+``copy_`` in ``load_state_dict``, ``untyped_storage()`` in ``torch.save`` / DCP): before the op
+runs, each tensor among its arguments (and one level of lists / tuples, and keyword arguments
+such as ``out=``) is matched by its *storage*, not its identity: its ``data_ptr()`` is looked
+up among the byte ranges of the flat buffers, so a param, any view of it, ``p.data``, a
+``detach()`` alias or a reference captured before the step are all recognised. If its bucket's
+gather is pending, the guard waits for that gather first. Only metadata reads that touch no
+values (property getters such as ``.shape`` / ``.grad`` / ``.data`` (an alias, itself guarded
+when used), ``size()``, ``stride()``, ``numel()``, ``__hash__``, hook registration) pass without
+waiting. The per-module forward pre-hooks still wait for each module's own buckets first, in
+forward order; the guard catches everything else, on any path, in every forward, not only a
+probed first one.
+
+One guard per thread serves every wrapper (:func:`arm` registers a wrapper's gathers with
+the guard of the thread that steps it): it is pushed at the end of a ``step()`` that leaves
+gathers in flight. While it is on the stack with nothing pending it only forwards each call.
+Every few calls it also polls the pending works and forgets the finished ones (a finished work
+needs no wait).
+
+[Note: The window belongs to the wrapper]
+The window is the wrapper's, not the process's: the guard holds each wrapper's gathers
+*weakly* (:attr:`_ParamGuard.refs`): nothing the guard (a thread-local that lives as long as
+its thread) holds keeps a wrapper, its optimizers or its model alive. So:
+
+- the guard stops inspecting as soon as the last pending gather is complete, whoever waited
+  for it (a pre-hook, the guard itself, a poll that found it finished, ``wait_params()``, a
+  step);
+- it leaves the stack at the next point where no torch function of it is running: a wrapper's
+  entry point (a forward pre-hook, ``wait_params()``, a step), ``ShardedDataParallel.close()``,
+  or the collection of a wrapper's gathers (a weakref callback and a finaliser), wherever it
+  sits in the stack (the user may have entered modes above it; see
+  ``shardkit.optim._torch_compat``). It cannot leave from inside its own call (torch pushes a
+  mode back when its ``__torch_function__`` returns): when its own call (a wait, or a poll
+  that found the works finished) completed the last pending gather, it leaves as soon as the
+  caller's code runs again, as after a collection ([Note: Leaving after a collection]);
+- a finished model is collected after ``del ddp, opt, model; gc.collect()`` with no other call:
+  the collected gather's finaliser waits for its works still in flight first (the backends
+  keep the buffers they write alive anyway), so nothing is freed while a gather writes into it,
+  and the guard leaves before the caller's next call ([Note: Leaving after a collection]).
+
+[Note: Leaving after a collection]
+The guard leaves the stack at points where no torch call of this thread is under way; two
+events that end its window happen at other points: its own call completed the last gather
+(torch pushes the guard back when that call returns), or a collection. A collection runs
+wherever the interpreter allocates, also inside a torch call between torch's
+check that a mode is on the stack and its pop of that mode (Python's ``handle_torch_function``
+and the C++ argument parser both allocate there). Taking the guard off the stack at that moment
+would empty the stack under that pop ("trying to pop from empty mode stack") or leave the call
+without an implementation. So neither touches the stack itself: each installs a one-shot
+profile function on the guard's thread (:func:`leave_when_safe`) that takes
+the guard off at the first point where the frame the event interrupted (the innermost one
+outside this package, ``weakref`` and ``torch.overrides``), or one of its callers, runs its
+own bytecode again (a call it makes, or the return of a C function it
+called), with no frame of ``torch.overrides`` on the stack: by then the call the collection
+interrupted has finished, with any dispatch in it (torch's C++ dispatch runs no Python frame
+between its check and its pop; its Python one runs in ``torch.overrides``). After ``del ddp,
+opt, model; gc.collect()`` that is the caller's next call. Where another profile function is
+installed (a profiler or a debugger: it is never replaced) or the collection ran on another
+thread, the guard leaves at the next entry point of a wrapper on its thread, forwarding calls
+meanwhile (logged once).
+
+Params inside ``torch.func`` transforms (``grad_and_value(f)(dict(model.named_parameters()))``,
+``vmap``, ``jacrev``) are functorch wrappers without storage of their own: the guard unwraps
+them to the tensor they wrap (``shardkit.optim._torch_compat.functorch_base``) and matches that.
+What it cannot see: another thread (the mode stack is per thread), a raw pointer taken before
+the step and used later (``data_ptr()`` itself is guarded), C++ / CUDA extensions that read the
+params without a torch function, tensor subclasses of the user's that wrap a param view (their
+inner ops run inside the guard's own call), and ``torch._C.DisableTorchFunction`` regions. Call
+``ddp.wait_params()`` before any of these (or pass ``overlap_param_gather=False``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
+import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import CodeType, FrameType
+from typing import Any, Protocol
 
 import torch
 from shardkit.optim._codecs import BlockFormat
 from shardkit.optim._flat import FlatBucket
-from shardkit.optim._guard import _ParamGuard, _Spans, arm, disarm, leave_when_safe, settle
 from shardkit.optim._lifecycle import GroupLife
+from shardkit.optim._placeholders import METADATA_READS
 from shardkit.optim._profiling import zero2_phase as phase
-from shardkit.optim._torch_compat import profiling
+from shardkit.optim._profiling import NO_RANGE
+from shardkit.optim._torch_compat import (
+    function_mode_at,
+    function_mode_count,
+    functorch_base,
+    pop_function_mode,
+    profiling,
+    push_function_mode,
+    remove_function_mode,
+)
 from shardkit.optim._wire import Wire, _Pending
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__: list[str] = []
 
 logger = logging.getLogger("shardkit.optim")
+
+# ---------------------------------------------------------------- the param-access guard
+
+# Torch functions that read no values of their tensor arguments and return no new storage:
+# they never wait. A property getter (``__get__``) returns metadata or an alias (``.data``,
+# ``.T``, ``.real``), which is guarded in turn when an op uses it.
+_NO_VALUES = METADATA_READS | {
+    "__get__",
+    "__set__",
+    "is_signed",
+    "is_inference",
+    "get_device",
+    "requires_grad_",
+    "retain_grad",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+}
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _Spans:
+    """The byte ranges of the flat buffers, sorted: which bucket a ``data_ptr()`` falls in."""
+
+    def __init__(self, flats: Iterable[tuple[int, torch.Tensor]]) -> None:
+        spans = sorted(
+            (flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size(), index)
+            for index, flat in flats
+            if flat.numel() > 0
+        )
+        self.starts = [s for s, _, _ in spans]
+        self.ends = [e for _, e, _ in spans]
+        self.indices = [i for _, _, i in spans]
+
+    def bucket_at(self, ptr: int) -> int | None:
+        k = bisect_right(self.starts, ptr) - 1
+        return self.indices[k] if k >= 0 and ptr < self.ends[k] else None
+
+
+_POLL = 32
+"""Every this many inspected calls, the guard forgets the gathers that have finished."""
+
+
+class _Gathers(Protocol):
+    """What the guard needs of one wrapper's param gathers (:class:`_ParamGather`)."""
+
+    @property
+    def spans(self) -> _Spans: ...
+
+    @property
+    def pending(self) -> Mapping[int, Any]: ...
+
+    def wait(self, index: int) -> None: ...
+
+    def forget_finished(self) -> None: ...
+
+
+class _ParamGuard(TorchFunctionMode):
+    """Waits for a pending param gather before a torch function touches its bucket.
+
+    See [Note: Param access guard]. One per thread (:func:`arm`), shared by every wrapper.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[_Gathers]] = []
+        """The wrappers' gathers with something pending, held weakly ([Note: The window
+        belongs to the wrapper])."""
+        self.on_stack = False
+        self.thread = threading.get_ident()
+        """The thread whose mode stack this guard sits on (it is that thread's guard)."""
+        self.depth = 0
+        """How many of this guard's calls are running (the mode is off the stack meanwhile)."""
+        self.calls = 0
+        """Torch functions that passed through since construction (for the benchmarks)."""
+        self.inspected = 0
+        """Of those, the ones whose arguments were matched against pending buckets."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        self.calls += 1
+        if self.refs and getattr(func, "__name__", None) not in _NO_VALUES:
+            self.inspected += 1
+            self.depth += 1
+            try:
+                gathers = [g for r in self.refs if (g := r()) is not None]
+                for a in args:
+                    _touch(gathers, a)
+                for a in kwargs.values():
+                    _touch(gathers, a)
+                if self.inspected % _POLL == 0:
+                    for g in gathers:
+                        g.forget_finished()
+            finally:
+                self.depth -= 1
+            if not self.refs:  # this call completed the last gather
+                leave_when_safe()  # See [Note: Leaving after a collection]
+        return func(*args, **kwargs)
+
+    @property
+    def gathers(self) -> list[_Gathers]:
+        """The live gathers registered (see :attr:`refs`)."""
+        return [g for r in self.refs if (g := r()) is not None]
+
+
+_local = threading.local()
+
+
+def arm(gather: _Gathers) -> _ParamGuard:
+    """Registers ``gather`` (which has gathers pending) with this thread's guard and pushes the
+    guard on this thread's mode stack if it is not there; returns the guard."""
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is None:
+        guard = _local.guard = _ParamGuard()
+    if all(r() is not gather for r in guard.refs):
+        guard.refs.append(weakref.ref(gather, functools.partial(_forget_collected, guard)))
+    if not guard.on_stack:
+        push_function_mode(guard)
+        guard.on_stack = True
+    return guard
+
+
+def disarm(guard: _ParamGuard, gather: _Gathers) -> None:
+    """Unregisters ``gather`` (nothing pending any more) from ``guard``; :func:`settle` takes
+    the guard off the stack at the next entry point once no gather is registered. With
+    :func:`arm`, the only writer of the guard's list."""
+    guard.refs = [r for r in guard.refs if r() is not gather and r() is not None]
+
+
+def _forget_collected(guard: _ParamGuard, ref: weakref.ref[_Gathers]) -> None:
+    """A registered gather was collected (its wrapper and optimizer are gone): forgets it; the
+    guard leaves the stack once the collection's caller is past it if it was the last one
+    ([Note: The window belongs to the wrapper], [Note: Leaving after a collection])."""
+    guard.refs = [r for r in guard.refs if r is not ref]
+    leave_when_safe()
+
+
+_logged_deferred = False
+
+
+def leave_when_safe() -> None:
+    """Takes this thread's guard off its mode stack at the next point where no torch dispatch
+    is under way, if nothing is pending then: called where that cannot be done at once (the
+    garbage collector's callbacks, the guard's own call). See [Note: Leaving after a
+    collection]."""
+    global _logged_deferred
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is None or not guard.on_stack or guard.refs:
+        return
+    profile = sys.getprofile()
+    if guard.thread != threading.get_ident() or not (
+        profile is None or type(profile) is _LeaveAtReturn
+    ):
+        if not _logged_deferred:
+            _logged_deferred = True
+            logger.info(
+                "ShardedDataParallel's param-access guard could not schedule its leave (a "
+                "collection on another thread, or another profile function installed): it "
+                "stays on the training thread's torch-function mode stack, forwarding calls, "
+                "until the next forward, step() or wait_params() there (see [Note: Leaving "
+                "after a collection] )"
+            )
+        return
+    sys.setprofile(_LeaveAtReturn(guard, _interrupted()))
+
+
+_OWN_MODULES = ("shardkit.optim", "weakref", "torch.overrides")
+
+
+def _interrupted() -> frozenset[tuple[int, CodeType]]:
+    """The frame the event interrupted (the innermost one not of this package, of ``weakref``,
+    whose callbacks run it, or of ``torch.overrides``, whose dispatch runs the guard) and its
+    callers, by identity and code (codes outlive frames: no frame is kept alive)."""
+    frame: FrameType | None = sys._getframe(1)  # noqa: SLF001 (Python's own frame access)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OWN_MODULES):
+        frame = frame.f_back
+    frames: set[tuple[int, CodeType]] = set()
+    while frame is not None:
+        frames.add((id(frame), frame.f_code))
+        frame = frame.f_back
+    return frozenset(frames)
+
+
+_DISPATCH_FILE = torch.overrides.__file__
+_CALLER_EVENTS = frozenset({"call", "c_call", "c_return"})
+
+
+class _LeaveAtReturn:
+    """The one-shot profile function of [Note: Leaving after a collection]."""
+
+    def __init__(self, guard: _ParamGuard, frames: frozenset[tuple[int, CodeType]]) -> None:
+        self.guard = guard
+        self.frames = frames
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        # The caller's bytecode runs again: a call from it (of a C or a Python function) or
+        # the return of a C function it called. A function called by C code (a dunder of an
+        # argument while torch parses them) looks called by that frame too, but torch checks
+        # the stack only after parsing; the dispatch itself runs no Python frame outside
+        # torch.overrides.
+        caller = frame.f_back if event == "call" else frame
+        if event not in _CALLER_EVENTS or caller is None:
+            return
+        if (id(caller), caller.f_code) not in self.frames:
+            return
+        outer: FrameType | None = frame
+        while outer is not None:
+            if outer.f_code.co_filename == _DISPATCH_FILE:
+                return  # inside a dispatch of torch.overrides: wait for it to return
+            outer = outer.f_back
+        if self.guard.refs or not self.guard.on_stack:
+            sys.setprofile(None)  # a wrapper armed it again, or it left already
+        elif not self.guard.depth and _take_off(self.guard):
+            self.guard.on_stack = False
+            sys.setprofile(None)
+
+
+def settle() -> None:
+    """Takes this thread's guard off its mode stack if no gather is pending (at the wrappers'
+    own entry points, at ``close()`` and when a wrapper's gathers are collected: inside one of
+    the guard's calls the mode is off the stack and stays on it)."""
+    guard: _ParamGuard | None = getattr(_local, "guard", None)
+    if guard is not None:
+        _leave(guard)
+
+
+def _leave(guard: _ParamGuard) -> None:
+    if guard.on_stack and not guard.refs and not guard.depth and _take_off(guard):
+        guard.on_stack = False
+        if type(sys.getprofile()) is _LeaveAtReturn:
+            sys.setprofile(None)  # a collection's deferred leave: done here already
+
+
+def _take_off(guard: _ParamGuard) -> bool:
+    """Takes ``guard`` off this thread's mode stack: one pop when it is the top mode (the
+    usual case), else from under the modes the user entered above it. Returns whether it was
+    on the stack."""
+    depth = function_mode_count()
+    if depth and function_mode_at(depth - 1) is guard:
+        pop_function_mode()
+        return True
+    return remove_function_mode(guard)
+
+
+def _touch(gathers: list[_Gathers], a: Any) -> None:
+    """Waits for the pending gather of every bucket ``a`` (a tensor, or a list / tuple of
+    them) points into."""
+    if type(a) in _PLAIN:
+        _wait_for(gathers, a)
+    elif type(a) is list or type(a) is tuple:
+        for t in a:
+            if type(t) in _PLAIN:
+                _wait_for(gathers, t)
+
+
+def _wait_for(gathers: list[_Gathers], t: torch.Tensor) -> None:
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # no storage: a torch.func wrapper, else not a view of a flat buffer
+        base = functorch_base(t)
+        if base is None:
+            return
+        try:
+            ptr = base.data_ptr()
+        except RuntimeError:
+            return
+    for g in gathers:
+        index = g.spans.bucket_at(ptr)
+        if index is not None and index in g.pending:
+            g.wait(index)
+
+
+# ---------------------------------------------------------------- the gathers
 _logged_profiling = False
 
 
@@ -94,7 +471,7 @@ class _ParamGather:
         Param access guard])."""
         self.guard: _ParamGuard | None = None
         """The guard this gather is registered with while something is pending."""
-        # See [Note: The window belongs to the wrapper] in shardkit.optim._guard
+        # See [Note: The window belongs to the wrapper]
         collected = weakref.finalize(self, _collected, comm, life.gathers)
         collected.atexit = False
 
@@ -117,7 +494,9 @@ class _ParamGather:
                 # writes the range before the gather is waited for: the guard makes every
                 # access wait first.
                 if self.deltas is None:
-                    work = self.comm.all_gather(b.flat, b.shard_view(self.comm.rank), b.index)
+                    rank = self.comm.rank
+                    own = b.flat[rank * b.shard : (rank + 1) * b.shard]
+                    work = self.comm.all_gather(b.flat, own, b.index)
                 else:
                     fmt, delta = self.deltas
                     work = self.comm.all_gather_deltas(
@@ -134,14 +513,14 @@ class _ParamGather:
     def wait(self, index: int) -> None:
         """Waits for bucket ``index``'s gather if it is pending."""
         if index in self.life.gathers:
-            with phase("wait_params", index):
+            with phase("wait_params", index) if profiling() else NO_RANGE:
                 self.comm.wait(self.life.gather_done(index))
             self._drained()
 
     def wait_all(self) -> None:
         """Waits for every gather still in flight."""
         if self.pending:
-            with phase("wait_params"):
+            with phase("wait_params") if profiling() else NO_RANGE:
                 # one at a time, the pending set read again each time: a wait can complete
                 # others (the guard's poll runs on any torch call a completion makes)
                 while self.pending:
@@ -174,8 +553,7 @@ def _collected(comm: Wire, pending: Mapping[int, _Pending]) -> None:
     """The gather of a collected wrapper: its works still in flight are waited for (Gloo and
     NCCL keep the buffers they write alive anyway), with nothing decoded into params nobody
     holds (a weight-delta gather's completion would run inside the collection), and the guard
-    leaves the stack if nothing else is pending ([Note: Leaving after a collection] in
-    ``shardkit.optim._guard``)."""
+    leaves the stack if nothing else is pending ([Note: Leaving after a collection])."""
     for work in list(pending.values()):
         comm.abandon(work)
     leave_when_safe()

@@ -12,8 +12,7 @@ state first and raises a ``RuntimeError`` naming the call and the state when it 
   gradient since the shard was last consumed, the staging buffer, the in-flight work and where
   it writes, whether the live reduced gradient was clipped, the pending param gather; and the
   ``grad_fresh`` flag of its shardkit-optim ``FlatBucket`` (the shard holds no unconsumed
-  reduced gradient), which only these transitions change (``mark_reduced`` /
-  ``mark_consumed``);
+  reduced gradient), which only these transitions write;
 - per group, the :class:`GroupState`:
 
   - ``IDLE``: no reduced gradient held (after construction, a step whose gathers were waited
@@ -33,7 +32,7 @@ buckets not waited for yet) is one :class:`PassLife`, written only by its transi
 
 Two pieces stay with their own concern: the param-access guard's list of wrappers with
 gathers pending is thread-wide, across wrappers (written only by ``arm`` / ``disarm`` in
-``shardkit.optim._guard``, driven by the pending gathers recorded here), and the gradient
+``shardkit.optim._gather``, driven by the pending gathers recorded here), and the gradient
 factors of a pending unscale or clip belong to the local step (shardkit-optim's
 ``ShardStepper``, shared in form with ZeRO-1's masters).
 
@@ -215,7 +214,7 @@ class GroupLife:
         if self.state is GroupState.STEPPED:
             raise self._illegal("launch", "a step is running")
         fresh = b.bucket.grad_fresh
-        b.bucket.mark_reduced()
+        b.bucket.grad_fresh = False
         b.clipped = False
         b.phase = BucketPhase.IN_FLIGHT
         self._move("launch", GroupState.REDUCING)
@@ -298,7 +297,7 @@ class GroupLife:
 
     def _consume(self) -> None:
         for b in self.buckets:
-            b.bucket.mark_consumed()  # the next reduce-scatter overwrites the shard
+            b.bucket.grad_fresh = True  # the next reduce-scatter overwrites the shard
             b.used.clear()
             b.clipped = False
 

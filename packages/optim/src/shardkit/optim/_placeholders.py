@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["METADATA_READS", "drop_grads", "is_placeholder"]
+__all__ = ["METADATA_READS", "is_placeholder"]
 
 
 class _ReducedGrad(torch.Tensor):
@@ -102,7 +102,7 @@ METADATA_READS = frozenset(
     )
 )
 """Tensor methods that read a tensor's metadata, never its values (shared with the param-access
-guard, ``shardkit.optim._guard``)."""
+guard, ``shardkit.optim._gather``)."""
 _METADATA = METADATA_READS | {"untyped_storage", "data_ptr", "_has_compatible_shallow_copy_type"}
 _NO_OPS = frozenset(("zero_", "requires_grad_", "detach_", "share_memory_"))
 _IS = ("is_", "_is_")
@@ -150,15 +150,3 @@ def _reduced_grad_error(func: Callable[..., Any], args: Sequence[Any]) -> str:
 def is_placeholder(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a reduced-grad placeholder (see [Note: Reduced-grad placeholders])."""
     return type(t) is _ReducedGrad
-
-
-def drop_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
-    """``zero_grad`` of ``params``' ``.grad`` after their reduced gradients were consumed: a
-    placeholder is dropped whatever ``set_to_none`` says (the shard it stood for is consumed;
-    see [Note: Reduced-grad placeholders]), a full local gradient is zeroed or dropped."""
-    for p in params:
-        if p.grad is not None:
-            if set_to_none or is_placeholder(p.grad):
-                p.grad = None
-            else:
-                p.grad.zero_()

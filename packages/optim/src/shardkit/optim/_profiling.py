@@ -6,9 +6,11 @@ A profiler trace of a training step shows where its time goes, in ranges named
 ZeRO-1 step (``agree``, ``local_step``, ``sync``, ``clip_grad_norm``, ``consolidate``), and the
 ranges that shardkit-ddp and shardkit-overlap list in their own ``_profiling`` modules. A range
 costs about 1-10 us to open even when nobody profiles, which adds up on a per-bucket path (one
-range per bucket launch and wait), so every range is opened only while a torch profiler runs in
-this process (torch's own flag, read by :func:`profiling`), and a
-bucket's name is formatted only then. shardkit-rpc, which stands alone, does the same with its
+range per bucket launch and wait), so every range is opened only while a torch profiler records
+(torch's own flag, :func:`profiling`), and a bucket's name is formatted only then. The ZeRO-2
+engine's per-step and per-bucket paths ask first, ``phase(...) if profiling() else NO_RANGE``:
+``profiling`` is torch's C function, so a step that nobody profiles runs no frame of this
+module. shardkit-rpc, which stands alone, does the same with its
 own copy of the flag.
 """
 
@@ -21,9 +23,10 @@ from typing import Any
 import torch
 from shardkit.optim._torch_compat import profiling
 
-__all__ = ["profiler_range", "profiling", "zero2_phase"]
+__all__ = ["NO_RANGE", "profiler_range", "profiling", "zero2_phase"]
 
-_NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
+NO_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
+"""The shared no-op range (reusable: ``nullcontext`` keeps no state)."""
 
 
 def profiler_range(name: str, index: int | None = None) -> AbstractContextManager[Any]:
@@ -36,7 +39,7 @@ def profiler_range(name: str, index: int | None = None) -> AbstractContextManage
         index: appended as ``[index]`` (e.g. a bucket index) when given.
     """
     if not profiling():
-        return _NO_RANGE
+        return NO_RANGE
     return torch.profiler.record_function(name if index is None else f"{name}[{index}]")
 
 

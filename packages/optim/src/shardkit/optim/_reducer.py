@@ -66,7 +66,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -74,11 +74,12 @@ from shardkit.optim._flat import FlatBucket
 from shardkit.optim._lifecycle import PassLife
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import _ReducedGrad, is_placeholder
+from shardkit.optim._profiling import NO_RANGE
 from shardkit.optim._profiling import zero2_phase as phase
-from shardkit.optim._torch_compat import queue_end_of_backward
+from shardkit.optim._torch_compat import profiling, queue_end_of_backward
 from shardkit.optim._wire import Codec, Wire
 
-__all__ = ["ALIGN", "BucketOwner", "ParamMap", "check_clip", "param_map"]
+__all__ = ["ALIGN", "BucketOwner", "ParamMap", "check_clip", "drop_grads", "param_map"]
 
 logger = logging.getLogger("shardkit.optim")
 _MAX_STAGING = 2
@@ -446,7 +447,8 @@ class _Reducer:
         """Waits for the in-flight reduce-scatters, in launch order (keeps the pool)."""
         if not self.passes.inflight:
             return
-        with phase("wait"):  # See [Note: Profiler ranges]
+        # See [Note: Profiler ranges]
+        with phase("wait") if profiling() else NO_RANGE:
             while self.passes.inflight:
                 self._finish(0)
 
@@ -522,3 +524,16 @@ def check_clip(flags: Sequence[Sequence[bool]]) -> None:
             "these gradients since they were reduced: clip once, after backward and before "
             "step() (a second clip would only measure the clipped gradients)."
         )
+
+
+def drop_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    """``zero_grad`` of ``params``' ``.grad`` after their reduced gradients were consumed: a
+    placeholder is dropped whatever ``set_to_none`` says (the shard it stood for is consumed;
+    see [Note: Reduced-grad placeholders] in ``shardkit.optim._placeholders``), a full local
+    gradient is zeroed or dropped."""
+    for p in params:
+        if p.grad is not None:
+            if set_to_none or type(p.grad) is _ReducedGrad:
+                p.grad = None
+            else:
+                p.grad.zero_()

@@ -37,6 +37,7 @@ from shardkit.optim._agreement import (
     agree_outcome,
     agree_step,
     agree_values,
+    channel,
     check_param_order,
     hyperparam_digest,
     step_flags,
@@ -53,7 +54,6 @@ from shardkit.optim._driver import (
     require_zero1,
     zero1_only,
 )
-from shardkit.optim._exchange import channel
 from shardkit.optim._layout import (
     _build_layout,
     _check_algorithm,
@@ -66,7 +66,7 @@ from shardkit.optim._master import (
     master_model_dict,
     no_masters_error,
 )
-from shardkit.optim._profiling import profiler_range
+from shardkit.optim._profiling import NO_RANGE, profiler_range
 from shardkit.optim._state import (
     _hyperparams,
     _install_state,
@@ -78,6 +78,7 @@ from shardkit.optim._state import (
     global_params,
 )
 from shardkit.optim._state_dict import Consolidations, check_consolidate_args
+from shardkit.optim._torch_compat import profiling
 from shardkit.optim._zero1 import LocalShards
 from shardkit.partition import check_consistent
 from torch import nn
@@ -456,7 +457,7 @@ class ShardedOptimizer(Optimizer):
         changed, error = step_flags(
             self._layout.params, self._layout.trainable, self.rank, error, repartition
         )
-        with profiler_range("shardkit.optim.agree"):
+        with profiler_range("shardkit.optim.agree") if profiling() else NO_RANGE:
             changed = agree_step(self.param_groups, changed, error, self.group, self._timeout)
         if changed:
             global _logged_repartition

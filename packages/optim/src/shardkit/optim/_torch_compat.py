@@ -9,14 +9,14 @@ instead of keeping copies).
   public equivalent: a post-accumulate-grad hook fires per param, and params unused in a
   backward fire none. ``tests/test_torch_compat.py::test_queue_callback_runs_after_every_hook``
   pins it.
-* ``torch.autograd.profiler._is_profiler_enabled``: the process-wide flag every torch profiler
-  entry point (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, ``emit_nvtx``,
-  ``emit_itt``) sets while it runs; torch's own compiler reads it to skip its ranges when nobody
-  profiles. No public equivalent. ``tests/test_torch_compat.py::
-  test_profiling_flag_follows_the_profiler`` pins it.
+* ``torch._C._autograd._profiler_enabled``: whether a profiler records on this thread (every
+  torch profiler entry point: ``torch.profiler.profile``, ``torch.autograd.profiler.profile``,
+  ``emit_nvtx``, ``emit_itt``; autograd's worker threads inherit the state); what
+  ``torch.autograd._profiler_enabled`` re-exports privately. No public equivalent.
+  ``tests/test_torch_compat.py::test_profiling_flag_follows_the_profiler`` pins it.
 * ``torch.distributed.distributed_c10d._get_default_store``: the c10d store
   ``init_process_group`` built the default group from (torchrun's TCPStore, a FileStore, ...),
-  which the call agreement runs on (see [Note: Agreement over the store] in ``_exchange.py``).
+  which the call agreement runs on (see [Note: Agreement over the store] in ``_agreement.py``).
   torch keeps it only in its private group registry; ``default_store()`` reads it.
   ``tests/test_torch_compat.py::test_default_store_is_shared_by_the_ranks`` pins what the
   agreement relies on: one store seen by every rank, ``clone()``, ``compare_set``'s
@@ -24,13 +24,18 @@ instead of keeping copies).
   ``delete_key``.
 
 * The torch-function mode stack (``torch._C._len_torch_function_stack``,
-  ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): the param-access guard
-  ([Note: Param access guard] in ``shardkit.optim._guard``) is a ``TorchFunctionMode`` that is
+  ``_get_function_stack_at``, ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``):
+  the param-access guard
+  ([Note: Param access guard] in ``shardkit.optim._gather``) is a ``TorchFunctionMode`` that is
   pushed at the end of ``step()`` and must leave the stack once the last param gather is
   waited for, wherever it then sits in the stack. The public ``TorchFunctionMode.__exit__``
   pops the *top* mode, which is another mode's when the user entered one in between (e.g.
   ``with torch.device("meta"):`` or a ``FlopCounterMode`` around the forward).
   ``tests/test_torch_compat_modes.py`` pins the calls.
+
+The internals a hot path calls (``queue_end_of_backward``, ``profiling``, the mode-stack calls)
+are torch's own C functions bound to public names here, not wrappers: a step runs no Python
+frame of this module.
 
 * ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``: a tensor inside a
   ``torch.func`` transform (``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``) is a
@@ -72,7 +77,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.distributed.distributed_c10d import Store
@@ -81,8 +85,11 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "all_gather_single",
     "default_store",
+    "function_mode_at",
+    "function_mode_count",
     "functorch_base",
     "no_function_modes",
+    "pop_function_mode",
     "profiling",
     "push_function_mode",
     "queue_end_of_backward",
@@ -107,12 +114,13 @@ logger = logging.getLogger("shardkit.optim")
 _logged_no_flag = False
 
 
-def queue_end_of_backward(fn: Callable[[], None]) -> None:
-    """Runs ``fn`` once the running backward pass finishes, after earlier queued callbacks.
-
-    Call it from inside a backward pass (an autograd hook or a DDP comm hook).
-    """
-    Variable._execution_engine.queue_callback(fn)  # noqa: SLF001 (pinned torch internal)
+queue_end_of_backward: Callable[[Callable[[], None]], None] = (
+    Variable._execution_engine.queue_callback  # noqa: SLF001 (pinned torch internal)
+)
+"""``queue_end_of_backward(fn)`` runs ``fn`` once the running backward pass finishes, after
+earlier queued callbacks. Call it from inside a backward pass (an autograd hook or a DDP comm
+hook). torch's own bound method (the engine is a process-wide singleton), so a call runs no
+Python frame of this module."""
 
 
 def default_store() -> Store:
@@ -134,23 +142,29 @@ def default_store() -> Store:
     return store
 
 
-def profiling() -> bool:
-    """Whether a torch profiler is running in this process.
-
-    Where torch no longer has the flag, ranges are always opened (logged once): the same
-    traces, a few microseconds more per range.
-    """
+def _profiling_fallback() -> bool:
+    """Where torch has no C flag: ranges are always opened (logged once)."""
     global _logged_no_flag
-    flag = getattr(autograd_profiler, "_is_profiler_enabled", None)
-    if isinstance(flag, bool):
-        return flag
     if not _logged_no_flag:
         _logged_no_flag = True
         logger.info(
-            "shardkit: torch.autograd.profiler._is_profiler_enabled is gone in this torch; "
+            "shardkit: torch._C._autograd._profiler_enabled is gone in this torch; "
             "profiler ranges are opened on every step (logged once)"
         )
     return True
+
+
+profiling: Callable[[], bool] = getattr(
+    torch._C._autograd,  # noqa: SLF001 (pinned torch internal)
+    "_profiler_enabled",
+    _profiling_fallback,
+)
+"""``profiling()``: whether a torch profiler records on this thread (``torch.profiler.profile``,
+``torch.autograd.profiler.profile``, ``emit_nvtx``, ``emit_itt``; autograd's worker threads
+inherit the state). torch's own C function (no Python frame), so the engine's hot paths call it
+before they build a range ([Note: Profiler ranges] in ``_profiling.py``). Where torch no longer
+has it, ranges are always opened (logged once): the same traces, a few microseconds more per
+range."""
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -158,10 +172,26 @@ def tensor_version(t: torch.Tensor) -> int:
     return int(t._version)  # noqa: SLF001 (pinned torch internal)
 
 
-def push_function_mode(mode: TorchFunctionMode) -> None:
-    """Pushes ``mode`` on this thread's torch-function mode stack (what ``with mode:`` does on
-    entry; :func:`remove_function_mode` takes it off again)."""
-    torch._C._push_on_torch_function_stack(mode)  # noqa: SLF001 (pinned torch internal)
+push_function_mode: Callable[[TorchFunctionMode], None] = (
+    torch._C._push_on_torch_function_stack  # noqa: SLF001 (pinned torch internal)
+)
+"""``push_function_mode(mode)`` pushes ``mode`` on this thread's torch-function mode stack (what
+``with mode:`` does on entry; :func:`remove_function_mode` takes it off again)."""
+
+function_mode_count: Callable[[], int] = (
+    torch._C._len_torch_function_stack  # noqa: SLF001 (pinned torch internal)
+)
+"""``function_mode_count()``: the depth of this thread's torch-function mode stack."""
+
+function_mode_at: Callable[[int], TorchFunctionMode] = (
+    torch._C._get_function_stack_at  # noqa: SLF001 (pinned torch internal)
+)
+"""``function_mode_at(i)``: the mode at depth ``i`` (``function_mode_count() - 1``: the top)."""
+
+pop_function_mode: Callable[[], TorchFunctionMode] = (
+    torch._C._pop_torch_function_stack  # noqa: SLF001 (pinned torch internal)
+)
+"""``pop_function_mode()``: takes the top mode off this thread's stack and returns it."""
 
 
 def remove_function_mode(mode: TorchFunctionMode) -> bool:
@@ -169,14 +199,14 @@ def remove_function_mode(mode: TorchFunctionMode) -> bool:
     above it stay, in their order. Returns whether ``mode`` was on the stack."""
     above: list[TorchFunctionMode] = []
     found = False
-    for _ in range(torch._C._len_torch_function_stack()):  # noqa: SLF001 (pinned torch internal)
-        top = torch._C._pop_torch_function_stack()  # noqa: SLF001 (pinned torch internal)
+    for _ in range(function_mode_count()):
+        top = pop_function_mode()
         if top is mode:
             found = True
             break
         above.append(top)
     for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)  # noqa: SLF001 (pinned torch internal)
+        push_function_mode(m)
     return found
 
 

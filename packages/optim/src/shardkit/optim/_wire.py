@@ -566,7 +566,7 @@ class Wire:
     ) -> None:  # fmt: skip
         # The decode reads and writes the flat buffer, which is still pending for the
         # param-access guard until its owner's transition ([Note: Param access guard] in
-        # shardkit.optim._guard): no mode sees the wire's own reads and writes.
+        # shardkit.optim._gather): no mode sees the wire's own reads and writes.
         with no_function_modes(), torch.no_grad():
             shard = flat.numel() // self.world
             scratch = self.scratch(flat.device)
