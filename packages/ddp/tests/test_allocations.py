@@ -96,14 +96,13 @@ def test_steady_steps_allocate_nothing_large(variant: str) -> None:
 @world(2, timeout=120)
 def test_freeing_the_pool_allocates_it_every_step() -> None:
     """keep_staging_buffers=False (the pool freed after each step): every backward allocates
-    the staging buffers again (and, on Gloo, the reduce-scatter's receive buffers), all from
-    the one pool ([Note: Wire buffers] in shardkit.optim._wire), and the counter sees them."""
+    the staging buffers again, from the one pool ([Note: Wire buffers] in
+    shardkit.optim._wire), and the counter sees them. At world 2 on Gloo the reduce-scatter
+    needs no receive buffer: the peer's chunk lands in the grad shard ([Note: Gloo
+    reduce-scatter point to point])."""
     counts = _steps(ddp={"keep_staging_buffers": False})
-    world = dist.get_world_size()
     for allocs in counts[STEADY:]:
         assert all("shardkit.optim._wire" in r.where for r in allocs.records), allocs.records
         staged = [r for r in allocs.records if r.nbytes >= WIDTH * WIDTH * 4]
-        received = [r for r in allocs.records if r.nbytes < WIDTH * WIDTH * 4]
         assert len(staged) == 2, allocs.records
-        assert len(received) == 2, allocs.records
-        assert all(r.nbytes >= (world - 1) * WIDTH * WIDTH * 4 // world for r in received)
+        assert len(allocs.records) == 2, allocs.records

@@ -31,6 +31,16 @@ def _model(dtype: torch.dtype) -> nn.Module:
 @pytest.mark.parametrize("master", [False, True])
 @world(2)
 def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) -> None:
+    _live_tensors_match_memory_bytes(master)
+
+
+@world(3)
+def test_live_tensors_match_memory_bytes_at_world_3() -> None:
+    """At world 3 the pool holds Gloo's receive buffers for the second peer's chunks."""
+    _live_tensors_match_memory_bytes(False)
+
+
+def _live_tensors_match_memory_bytes(master: bool) -> None:
     before = set(live_storages(device_type="cpu"))
     dtype = torch.bfloat16 if master else torch.float32
     model = _model(dtype)
@@ -59,10 +69,10 @@ def test_live_tensors_match_memory_bytes_and_nothing_dead_stays(master: bool) ->
     bucket = max(b.flat.numel() * b.flat.element_size() for b in sdp._buckets)
     total = sum(live.values())
     # the pool: two buffers of the largest bucket, kept ([Note: Staging lifetime]), and on
-    # Gloo the two receive buffers of (N-1)/N of it ([Note: Gloo reduce-scatter point to
-    # point] in shardkit.optim._wire)
+    # Gloo the two receive buffers of (N-2)/N of it (one peer's chunk is received into the
+    # grad shard: [Note: Gloo reduce-scatter point to point] in shardkit.optim._wire)
     world_size = dist.get_world_size()
-    pool = 2 * bucket + 2 * (bucket - bucket // world_size)
+    pool = 2 * bucket + 2 * max(world_size - 2, 0) * (bucket // world_size)
     assert pool <= held["staging"] <= pool + 4 * 64, held
     # Every live byte is accounted for, within one bucket (the module's own small tensors).
     assert abs(total - sum(held.values())) <= bucket, (total, held)

@@ -46,7 +46,6 @@ from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import _ReducedGrad
 from shardkit.optim._profiling import NO_RANGE
 from shardkit.optim._profiling import zero2_phase as phase
-from shardkit.optim._torch_compat import profiling
 from shardkit.optim._reducer import ALIGN, ParamMap, _Reducer, check_clip, drop_grads
 from shardkit.optim._relink import refusal, relink
 from shardkit.optim._shard_state import (
@@ -58,6 +57,7 @@ from shardkit.optim._shard_state import (
 from shardkit.optim._shard_stepper import ShardStepper
 from shardkit.optim._sharded_optimizer import ShardedOptimizer
 from shardkit.optim._state import global_params
+from shardkit.optim._torch_compat import profiling
 from shardkit.optim._wire import Codec, Exact, Wire
 from torch import nn
 

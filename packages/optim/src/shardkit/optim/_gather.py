@@ -130,8 +130,8 @@ from shardkit.optim._codecs import BlockFormat
 from shardkit.optim._flat import FlatBucket
 from shardkit.optim._lifecycle import GroupLife
 from shardkit.optim._placeholders import METADATA_READS
-from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._profiling import NO_RANGE
+from shardkit.optim._profiling import zero2_phase as phase
 from shardkit.optim._torch_compat import (
     function_mode_at,
     function_mode_count,

@@ -230,7 +230,8 @@ class _Reducer:
         keep = _MAX_STAGING if self.config.keep_staging_buffers else 0
         for g, k in self.order:
             b = g.buckets[k]
-            self.comm.reserve(g.codec(k), g.wire_dtype(k), b.device, b.numel, keep)
+            into_shard = g.wire_dtype(k) == b.dtype  # the grad shard can take a peer's chunk
+            self.comm.reserve(g.codec(k), g.wire_dtype(k), b.device, b.numel, keep, into_shard)
         for (_, dtype, device), size in self._size.items():
             self.comm.reserve_staging(dtype, device, size, keep)
         zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

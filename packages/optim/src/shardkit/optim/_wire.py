@@ -48,8 +48,8 @@ for fp32 params (bf16 params with ``master_dtype`` have them already).
 
 [Note: Wire buffers]
 The wire's buffers come from one pool, by role, dtype and device, sized from the bucket layout
-(``reserve``) and reused every step: Gloo's receive buffers of ``(N-1)/N`` of the largest
-bucket (exact codecs); encoded send and receive buffers of the largest bucket (block codecs;
+(``reserve``) and reused every step: Gloo's receive buffers of ``(N-2)/N`` of the largest
+bucket (exact codecs; none at world 2: one peer's chunk is received into the grad shard); encoded send and receive buffers of the largest bucket (block codecs;
 two per reduce-scatter in flight, at most two in flight: the staging pool bounds them, [Note:
 Staging lifetime] in ``shardkit.optim._reducer``); one per weight-delta gather in flight, at
 most :data:`MAX_DELTA_GATHERS` (issuing another first waits for the oldest); the fp32
@@ -59,7 +59,7 @@ pieces (``_codecs.PIECE``: 2 MiB) per device; and the backward pass's staging bu
 largest bucket per wire dtype and device, in one block, lent to the step as its scratch: [Note:
 Staging lifetime] in ``shardkit.optim._reducer``). So one pool holds every buffer of the
 collectives and of the step, sized from the layout: two staging buffers, plus on Gloo with the
-exact wire two receive buffers of ``(N-1)/N`` of the largest bucket, or with int8 gradients and
+exact wire two receive buffers of ``(N-2)/N`` of the largest bucket, or with int8 gradients and
 deltas at most six encoded buffers of about ``0.254x`` the largest bucket's fp32 bytes (int4:
 ``0.141x``), and the 2 MiB scratch. ``pool_bytes()`` reports what exists; idle buffers are
 freed after each step when the staging pool is not kept.
@@ -210,16 +210,23 @@ class Wire:
         # [Note: Gloo reduce-scatter point to point]
         # On Gloo the reduce-scatter sends the chunk of every other rank to it and receives
         # that rank's contribution to this rank's chunk (one ``batch_isend_irecv`` of async
-        # sends and receives, posted in rank order on every rank, so they pair up), into a
-        # receive buffer of this layer's own of ``(N-1)/N`` of the bucket; when the works are
-        # done the received chunks are added, in rank order, to this rank's own chunk of the
-        # input, into the output. Nothing is allocated inside Gloo, each rank sends the ring's
-        # ``(N-1)/N`` of the bucket (Gloo's reduce-scatter sends twice that), and it runs
-        # 1.7-2.3x faster than Gloo's reduce-scatter on CPU (the README's figures). The receive
-        # buffers are a pool of the bucket layout: one per reduce-scatter in flight (the staging
-        # pool bounds those), of the largest bucket's size, kept with the staging pool
-        # ([Note: Staging lifetime] in ``shardkit.optim._reducer``). Two chunks sum to the same
-        # bits in either order, so at world 2 the gradients equal DDP's all-reduce bit for bit.
+        # sends and receives, posted in rank order on every rank, so they pair up); when the
+        # works are done the received chunks are added, in rank order, to this rank's own
+        # chunk of the input, into the output. The first peer's chunk is received into the
+        # grad shard itself when that holds nothing to keep (the shard has the wire's dtype and
+        # no unconsumed gradient: the usual case), the others into a receive buffer of this
+        # layer's own of ``(N-2)/N`` of the bucket (``(N-1)/N`` when the shard is not free);
+        # the sum is then ``(first + own) + second + ...``, the same bits as ``(own + first) +
+        # ...`` (one addition commutes). So at world 2 the reduce-scatter needs no buffer of
+        # its own. Nothing is allocated inside Gloo, each rank sends the ring's ``(N-1)/N`` of
+        # the bucket (Gloo's reduce-scatter sends twice that), and it runs 1.7-2.3x faster
+        # than Gloo's reduce-scatter on CPU (the README's figures). The receive buffers are a
+        # pool of the bucket layout: one per reduce-scatter in flight (the staging pool bounds
+        # those), of the largest bucket's size, kept with the staging pool ([Note: Staging
+        # lifetime] in ``shardkit.optim._reducer``); a reduction into a shard that is not free
+        # (a second synchronised backward before ``step()``) takes the larger size once and
+        # keeps it. Two chunks sum to the same bits in either order, so at world 2 the
+        # gradients equal DDP's all-reduce bit for bit.
         #
         # [Note: Gloo all-gather by broadcasts]
         # On Gloo the all-gather is one async broadcast per rank of that rank's chunk, in place
@@ -233,6 +240,10 @@ class Wire:
         self._size: dict[_Key, int] = {}
         self._free: dict[_Key, list[torch.Tensor]] = {}
         self._live: dict[_Key, int] = {}
+        self._receive_full: dict[_Key, tuple[int, int]] = {}
+        """Per receive key: the ``(N-1)/N`` size and the count a reduction into a grad shard
+        that is not free needs, allocated at the first such reduction ([Note: Gloo
+        reduce-scatter point to point])."""
         self._bytes = 0
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -262,18 +273,26 @@ class Wire:
 
     # ------------------------------------------------------------------ buffers
     def reserve(self, codec: Codec, dtype: torch.dtype, device: torch.device, numel: int,
-                count: int = 0) -> None:  # fmt: skip
+                count: int = 0, into_shard: bool = True) -> None:  # fmt: skip
         """Sizes the buffers a reduce-scatter of a bucket of ``numel`` elements of ``dtype``
         through ``codec`` needs ([Note: Wire buffers]), and allocates them for ``count``
         reduce-scatters in flight now if fewer exist (a kept pool); idle buffers of a smaller
-        size are dropped."""
+        size are dropped. ``into_shard``: the grad shard has the wire's dtype, so on Gloo one
+        peer's contribution is received into it ([Note: Gloo reduce-scatter point to
+        point])."""
         if isinstance(codec, BlockFormat):
             n = self.world * codec.nbytes(-(-numel // self.world))
             self._reserve(("encoded", torch.uint8, device), n, 2 * count)
             self._reserve(("sum", torch.float32, device), numel // self.world, 0)
             self.scratch(device)
-        elif self.gloo:  # See [Note: Gloo reduce-scatter point to point]
-            self._reserve(("receive", dtype, device), numel - numel // self.world, count)
+        elif self.gloo and self.world > 1:  # See [Note: Gloo reduce-scatter point to point]
+            key: _Key = ("receive", dtype, device)
+            full, most = self._receive_full.get(key, (0, 0))
+            full = max(full, (self.world - 1) * (numel // self.world))
+            self._receive_full[key] = (full, max(most, count))
+            chunks = self.world - 1 - int(into_shard)
+            if chunks:
+                self._reserve(key, chunks * (numel // self.world), count)
 
     def reserve_deltas(self, fmt: BlockFormat, device: torch.device, numel: int) -> None:
         """Sizes the buffers of a weight-delta gather of a bucket of ``numel`` elements
@@ -405,18 +424,31 @@ class Wire:
         fold = None if direct else functools.partial(_fold, out, own, add)
         self._count("reduce_scatter", inp.nbytes, bucket)
         if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
-            key: _Key = ("receive", inp.dtype, inp.device)
-            base = self.take(key, (self.world - 1) * shard)
-            finish = functools.partial(self._add_received, target, own, base, shard, fold)
             if self.world == 1:
-                return _Pending("reduce_scatter", [], finish)
+                return _Pending("reduce_scatter", [], functools.partial(_copy_own, target, own, fold))
+            # the first peer's contribution lands in the grad shard itself when it is free
+            # (``direct``); the others in a receive buffer of the pool
+            key: _Key = ("receive", inp.dtype, inp.device)
+            n = (self.world - 1 - int(direct)) * shard
+            if not direct and n > self._size.get(key, 0):
+                # the first reduction into a shard that is not free: the full-size buffers,
+                # as many as a kept pool holds, once
+                full, count = self._receive_full.get(key, (n, 0))
+                self._reserve(key, max(full, n), count)
+            base = self.take(key, n) if n else None
+            finish = functools.partial(self._add_received, target, own, base, shard, direct, fold)
             ops: list[dist.P2POp] = []
             j = 0
             for r in range(self.world):
                 if r == self.rank:
                     continue
-                peer, mine = self.global_ranks[r], base[j * shard : (j + 1) * shard]
-                theirs = inp[r * shard : (r + 1) * shard]
+                if direct and j == 0:
+                    mine = target
+                else:
+                    assert base is not None  # sized for every peer but a direct first one
+                    k = j - int(direct)
+                    mine = base[k * shard : (k + 1) * shard]
+                peer, theirs = self.global_ranks[r], inp[r * shard : (r + 1) * shard]
                 ops.append(dist.P2POp(dist.isend, theirs, peer, self.group))
                 ops.append(dist.P2POp(dist.irecv, mine, peer, self.group))
                 j += 1
@@ -431,15 +463,19 @@ class Wire:
         self,
         out: torch.Tensor,
         own: torch.Tensor,
-        base: torch.Tensor,
+        base: torch.Tensor | None,
         shard: int,
+        direct: bool,
         fold: Callable[[], None] | None,
     ) -> None:
-        if out.data_ptr() != own.data_ptr():
+        if direct:
+            out.add_(own)  # out held the first peer's contribution: own + it, commuted
+        elif out.data_ptr() != own.data_ptr():
             out.copy_(own)
-        for j in range(self.world - 1):
-            out.add_(base[j * shard : (j + 1) * shard])
-        self.give(("receive", base.dtype, base.device), base)
+        if base is not None:
+            for j in range(self.world - 1 - int(direct)):
+                out.add_(base[j * shard : (j + 1) * shard])
+            self.give(("receive", base.dtype, base.device), base)
         if fold is not None:
             fold()
 
@@ -628,6 +664,14 @@ def _fold(out: torch.Tensor, own: torch.Tensor, add: bool) -> None:
         out.add_(own)
     else:
         out.copy_(own)
+
+
+def _copy_own(out: torch.Tensor, own: torch.Tensor, fold: Callable[[], None] | None) -> None:
+    """A reduce-scatter over one rank: the sum is this rank's own chunk."""
+    if out.data_ptr() != own.data_ptr():
+        out.copy_(own)
+    if fold is not None:
+        fold()
 
 
 def _works(work: object) -> list[dist.Work]:
