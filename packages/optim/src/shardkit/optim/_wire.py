@@ -429,13 +429,14 @@ class Wire:
             # the first peer's contribution lands in the grad shard itself when it is free
             # (``direct``); the others in a receive buffer of the pool
             key: _Key = ("receive", inp.dtype, inp.device)
-            n = (self.world - 1 - int(direct)) * shard
+            buffered = self.world - 1 - int(direct)  # peers whose chunks need the buffer
+            n = buffered * shard
             if not direct and n > self._size.get(key, 0):
                 # the first reduction into a shard that is not free: the full-size buffers,
                 # as many as a kept pool holds, once
                 full, count = self._receive_full.get(key, (n, 0))
                 self._reserve(key, max(full, n), count)
-            base = self.take(key, n) if n else None
+            base = self.take(key, n) if buffered else None
             finish = functools.partial(self._add_received, target, own, base, shard, direct, fold)
             ops: list[dist.P2POp] = []
             j = 0
