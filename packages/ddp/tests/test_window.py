@@ -16,7 +16,7 @@ import shardkit.optim._gather as guard_module
 import torch
 import torch.distributed as dist
 from shardkit.ddp import ShardedDataParallel
-from shardkit.optim import ShardedOptimizer
+from shardkit.optim import ShardedOptimizer, profiling
 from shardkit.testing import world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,6 +47,17 @@ def _clean_depth() -> int:
             gather.wait_all()
     guard_module.settle()
     return _depth()
+
+
+def _guard_state(depth: int) -> str:
+    """What an assertion on the stack's depth reports when it fails."""
+    guard = getattr(guard_module._local, "guard", None)
+    state = "no guard" if guard is None else (
+        f"guard on_stack={guard.on_stack}, {len(guard.refs)} registered, depth={guard.depth}, "
+        f"pending={[len(g.pending) for g in guard.gathers]}"
+    )
+    modes = [type(m).__name__ for m in _get_current_function_mode_stack()]
+    return f"expected depth {depth} + 1, stack {modes}; {state}; profiling={profiling()}"
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -123,7 +134,7 @@ def test_the_guard_leaves_once_the_gathers_are_waited_for() -> None:
     opt = ShardedOptimizer(m.parameters(), optim=torch.optim.AdamW, lr=1e-2)
     sdp = ShardedDataParallel(m, opt, reduce_buffer_size=0)
     _train(sdp, opt, 2)
-    assert _depth() == depth + 1
+    assert _depth() == depth + 1, _guard_state(depth)
     sdp.wait_params()
     assert _depth() == depth
     opt.zero_grad()
