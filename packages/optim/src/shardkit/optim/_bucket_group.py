@@ -485,7 +485,7 @@ def agree(call: str, opt: ShardedOptimizer, digest: int = 0) -> bool:
     return bool(same)
 
 
-# ---------------------------------------------------------------------- clipping
+# ---------------------------------------------------------------------- relinking
 def _moved(b: FlatBucket) -> list[int]:
     """Positions of ``b``'s params that are no longer the view of ``flat`` they were laid out
     as (their storage was replaced: ``p.data = t``, a dtype round trip); see [Note: Params that
@@ -499,6 +499,7 @@ def _moved(b: FlatBucket) -> list[int]:
     ]
 
 
+# ---------------------------------------------------------------------- clipping
 def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float) -> torch.Tensor:
     """Clips the reduced gradients of ``groups`` by their global norm (over every rank's
     shard); returns the norm. Collective. The norm is shardkit-optim's one sharded clip (its

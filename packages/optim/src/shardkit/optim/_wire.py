@@ -49,9 +49,10 @@ for fp32 params (bf16 params with ``master_dtype`` have them already).
 [Note: Wire buffers]
 The wire's buffers come from one pool, by role, dtype and device, sized from the bucket layout
 (``reserve``) and reused every step: Gloo's receive buffers of ``(N-2)/N`` of the largest
-bucket (exact codecs; none at world 2: one peer's chunk is received into the grad shard); encoded send and receive buffers of the largest bucket (block codecs;
-two per reduce-scatter in flight, at most two in flight: the staging pool bounds them, [Note:
-Staging lifetime] in ``shardkit.optim._reducer``); one per weight-delta gather in flight, at
+bucket (exact codecs; none at world 2: one peer's chunk is received into the grad shard);
+encoded send and receive buffers of the largest bucket (block codecs; two per reduce-scatter in
+flight, at most two in flight: the staging pool bounds them, [Note: Staging lifetime] in
+``shardkit.optim._reducer``); one per weight-delta gather in flight, at
 most :data:`MAX_DELTA_GATHERS` (issuing another first waits for the oldest); the fp32
 differences of a shard, in an idle staging buffer (the step is over when the gathers are issued;
 a buffer of their own only when the staging pool is not kept); the codecs' fp32 scratch of two
@@ -424,12 +425,12 @@ class Wire:
         fold = None if direct else functools.partial(_fold, out, own, add)
         self._count("reduce_scatter", inp.nbytes, bucket)
         if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
-            if self.world == 1:
-                return _Pending("reduce_scatter", [], functools.partial(_copy_own, target, own, fold))
             # the first peer's contribution lands in the grad shard itself when it is free
             # (``direct``); the others in a receive buffer of the pool
             key: _Key = ("receive", inp.dtype, inp.device)
-            buffered = self.world - 1 - int(direct)  # peers whose chunks need the buffer
+            peers = [r for r in range(self.world) if r != self.rank]
+            in_shard = direct and bool(peers)  # the first peer's chunk lands in the shard
+            buffered = len(peers) - int(in_shard)  # the chunks the buffer takes
             n = buffered * shard
             if not direct and n > self._size.get(key, 0):
                 # the first reduction into a shard that is not free: the full-size buffers,
@@ -437,22 +438,17 @@ class Wire:
                 full, count = self._receive_full.get(key, (n, 0))
                 self._reserve(key, max(full, n), count)
             base = self.take(key, n) if buffered else None
-            finish = functools.partial(self._add_received, target, own, base, shard, direct, fold)
+            into = [target] if in_shard else []
+            if base is not None:
+                into += [base[k * shard : (k + 1) * shard] for k in range(buffered)]
+            finish = functools.partial(self._add_received, target, own, base, shard, in_shard, fold)
+            if not peers:
+                return _Pending("reduce_scatter", [], finish)
             ops: list[dist.P2POp] = []
-            j = 0
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                if direct and j == 0:
-                    mine = target
-                else:
-                    assert base is not None  # sized for every peer but a direct first one
-                    k = j - int(direct)
-                    mine = base[k * shard : (k + 1) * shard]
+            for r, mine in zip(peers, into, strict=True):
                 peer, theirs = self.global_ranks[r], inp[r * shard : (r + 1) * shard]
                 ops.append(dist.P2POp(dist.isend, theirs, peer, self.group))
                 ops.append(dist.P2POp(dist.irecv, mine, peer, self.group))
-                j += 1
             works = dist.batch_isend_irecv(ops)
             return _Pending("reduce_scatter", list(works), finish)
         work = reduce_scatter_single(
@@ -466,15 +462,15 @@ class Wire:
         own: torch.Tensor,
         base: torch.Tensor | None,
         shard: int,
-        direct: bool,
+        in_shard: bool,
         fold: Callable[[], None] | None,
     ) -> None:
-        if direct:
+        if in_shard:
             out.add_(own)  # out held the first peer's contribution: own + it, commuted
-        elif out.data_ptr() != own.data_ptr():
+        elif out.data_ptr() != own.data_ptr():  # (over one rank: the sum is own)
             out.copy_(own)
         if base is not None:
-            for j in range(self.world - 1 - int(direct)):
+            for j in range(self.world - 1 - int(in_shard)):
                 out.add_(base[j * shard : (j + 1) * shard])
             self.give(("receive", base.dtype, base.device), base)
         if fold is not None:
@@ -665,14 +661,6 @@ def _fold(out: torch.Tensor, own: torch.Tensor, add: bool) -> None:
         out.add_(own)
     else:
         out.copy_(own)
-
-
-def _copy_own(out: torch.Tensor, own: torch.Tensor, fold: Callable[[], None] | None) -> None:
-    """A reduce-scatter over one rank: the sum is this rank's own chunk."""
-    if out.data_ptr() != own.data_ptr():
-        out.copy_(own)
-    if fold is not None:
-        fold()
 
 
 def _works(work: object) -> list[dist.Work]:
