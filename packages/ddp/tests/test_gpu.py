@@ -13,7 +13,8 @@ bodies run under both:
   is near zero by an ulp (80 of 65,536 elements at world 2 on CPU);
 - no per-step churn on CUDA (issue 37): after the first step, a training step allocates no
   large tensor of ours (``LargeAllocations``) and the caching allocator's reserved memory does
-  not grow, the figure ``nvidia-smi`` and an out-of-memory error see.
+  not grow, the figure ``nvidia-smi`` and an out-of-memory error see; the Adam moments share
+  one allocation (issue 49: none is cut out of a freed gradient block).
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ def _no_churn() -> None:
         reserved.append(torch.cuda.memory_reserved(device))
     assert all(r == [] for r in records[1:]), records
     assert reserved[1:] == [reserved[1]] * (len(reserved) - 1), reserved
+    # the first step made every moment in one allocation ([Note: Moments in one allocation] in
+    # shardkit.optim._state): no moment cut out of a freed gradient block of the cache
+    held = [opt.state[p] for p in model.parameters()]
+    storages = {
+        s[k].untyped_storage().data_ptr() for s in held if s for k in ("exp_avg", "exp_avg_sq")
+    }
+    assert len(storages) == 1, storages
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_masters"])
@@ -142,17 +150,20 @@ def test_gloo_ranks_sharing_a_gpu_allocate_nothing_new() -> None:
 
 def _quantized_wire(wire: str) -> None:
     """``wire="int8"`` / ``"int4"`` on CUDA tensors: replicas bit-identical on every rank after
-    every step, the loss falling, the counted bytes those of the format."""
+    every step, the loss falling (a regression to a fixed target: the exact wire takes it from
+    0.79 to 0.10 in 8 steps on CPU at world 1, the block formats within 0.002 of that), the
+    counted bytes those of the format."""
     device = rank_cuda_device()
     model = _net(device, torch.float32)
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, fused=True)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, fused=True)
     sdp = ShardedDataParallel(model, opt, wire=wire, bucket_cap_mb=0.1)
     losses = []
     g = torch.Generator(device=device).manual_seed(dist.get_rank())
     x = torch.randn(8, _WIDTH, device=device, generator=g)
+    y = torch.randn(8, 3, device=device, generator=g)
     for _ in range(_STEPS + 4):
         opt.zero_grad()
-        loss = sdp(x).square().mean()
+        loss = (sdp(x) - y).square().mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())

@@ -227,7 +227,11 @@ class Wire:
         # lifetime] in ``shardkit.optim._reducer``); a reduction into a shard that is not free
         # (a second synchronised backward before ``step()``) takes the larger size once and
         # keeps it. Two chunks sum to the same bits in either order, so at world 2 the
-        # gradients equal DDP's all-reduce bit for bit.
+        # gradients equal DDP's all-reduce bit for bit. Gloo's point-to-point calls take CPU
+        # tensors only (a CUDA tensor's address fails in the socket write: "Bad address"), so
+        # CUDA tensors on Gloo (ranks sharing a GPU, a test setup) take Gloo's list-form
+        # reduce-scatter, which stages through host memory; GPU users run NCCL, whose
+        # ``reduce_scatter_tensor`` reduces in place with no buffer of its own.
         #
         # [Note: Gloo all-gather by broadcasts]
         # On Gloo the all-gather is one async broadcast per rank of that rank's chunk, in place
@@ -286,7 +290,8 @@ class Wire:
             self._reserve(("encoded", torch.uint8, device), n, 2 * count)
             self._reserve(("sum", torch.float32, device), numel // self.world, 0)
             self.scratch(device)
-        elif self.gloo and self.world > 1:  # See [Note: Gloo reduce-scatter point to point]
+        elif self._point_to_point(device) and self.world > 1:
+            # See [Note: Gloo reduce-scatter point to point]
             key: _Key = ("receive", dtype, device)
             full, most = self._receive_full.get(key, (0, 0))
             full = max(full, (self.world - 1) * (numel // self.world))
@@ -424,7 +429,7 @@ class Wire:
         target = out if direct else own  # else in place, cast or added when done
         fold = None if direct else functools.partial(_fold, out, own, add)
         self._count("reduce_scatter", inp.nbytes, bucket)
-        if self.gloo:  # See [Note: Gloo reduce-scatter point to point]
+        if self._point_to_point(inp.device):  # See [Note: Gloo reduce-scatter point to point]
             # the first peer's contribution lands in the grad shard itself when it is free
             # (``direct``); the others in a receive buffer of the pool
             key: _Key = ("receive", inp.dtype, inp.device)
@@ -451,10 +456,21 @@ class Wire:
                 ops.append(dist.P2POp(dist.irecv, mine, peer, self.group))
             works = dist.batch_isend_irecv(ops)
             return _Pending("reduce_scatter", list(works), finish)
-        work = reduce_scatter_single(
-            target, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
+        if self.gloo:  # CUDA tensors: [Note: Gloo reduce-scatter point to point]
+            chunks = list(inp.chunk(self.world))
+            work = dist.reduce_scatter(
+                target, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
+        else:
+            work = reduce_scatter_single(
+                target, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
         return _Pending("reduce_scatter", _works(work), fold)
+
+    def _point_to_point(self, device: torch.device) -> bool:
+        """Whether reduce-scatters of tensors on ``device`` run point to point: Gloo, CPU
+        ([Note: Gloo reduce-scatter point to point])."""
+        return self.gloo and device.type == "cpu"
 
     def _add_received(
         self,
