@@ -127,16 +127,13 @@ def _heap() -> tuple[int, int]:
     return int(info.uordblks + info.hblkhd), int(info.fordblks)
 
 
-def _imports() -> None:
-    """Everything a system needs, imported before the baseline is read."""
-    for module in (
-        "fairscale.nn.data_parallel",
-        "fairscale.optim",
-        "shardkit.ddp",
-        "shardkit.optim",
-        "shardkit.overlap",
-        "torch.distributed.optim",
-    ):
+def _imports(systems: tuple[str, ...] = _SYSTEMS) -> None:
+    """Everything the systems need, imported before the baseline is read (fairscale only when
+    its row runs: a GPU machine may not have it)."""
+    modules = ["shardkit.ddp", "shardkit.optim", "shardkit.overlap", "torch.distributed.optim"]
+    if "fairscale" in systems:
+        modules += ["fairscale.nn.data_parallel", "fairscale.optim"]
+    for module in modules:
         importlib.import_module(module)
 
 
