@@ -143,7 +143,7 @@ def long1(n: int) -> bytes:
 
 def colliding_int_dict(n: int) -> bytes:
     """Opcodes (no STOP) of a dict of ``n`` int keys that all hash to 1: ``1 + k (2**61 - 1)``."""
-    body = [b"}(" ]
+    body = [b"}("]
     for k in range(n):
         body += [long1(1 + k * ((1 << 61) - 1)), b"N"]
     body.append(b"u")
@@ -178,6 +178,11 @@ calls = {{
 try:
     import shardkit.optim as so
     calls["load_consolidated"] = lambda: so.load_consolidated(path)
+    if "load_sharded" in entries:  # the group first: its setup is not the load's cost
+        import torch.distributed as dist
+        from _attackkit import optim_model
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        calls["load_sharded"] = lambda: so.load_sharded(optim_model()[1], path)
 except ImportError:
     pass
 out = {{}}
@@ -233,6 +238,64 @@ def destination(path: str) -> dict[str, Any]:
 
 
 ENTRIES = ("reader", "load", "inspect", "verify")
+OPTIM_ENTRIES = (*ENTRIES, "load_sharded", "load_consolidated")
+"""Every entry point, for a checkpoint of shardkit-optim's ``save_sharded``."""
+
+
+def optim_model() -> tuple[torch.nn.Module, Any]:
+    """The model and ``ShardedOptimizer(AdamW)`` of :func:`save_optim` (a process group must
+    exist): its items ``state/<i>/{step,exp_avg,exp_avg_sq}``, ``state/3/*`` of 16 elements,
+    and the JSON records ``shardkit/header`` and ``shardkit/param_groups``."""
+    from shardkit.optim import ShardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16))
+    return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+
+
+SAVE_OPTIM = r"""
+import sys
+sys.path.insert(0, {here!r})
+import torch
+import torch.distributed as dist
+from shardkit.optim import save_sharded
+from _attackkit import optim_model
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model, opt = optim_model()
+model(torch.ones(2, 4)).sum().backward()
+opt.step()
+save_sharded(opt, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+def save_optim(path: Path) -> None:
+    """A world-1 ``save_sharded`` checkpoint of :func:`optim_model` after one step (a child:
+    the process group stays out of the test process)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_OPTIM.format(here=str(HERE)), str(path)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def as_object(path: Path, fqn: str, pkl: bytes) -> None:
+    """Turns tensor item ``fqn`` into a non-tensor item whose stored bytes are a ``torch.save``
+    zip with ``pkl`` as its ``data.pkl`` (what DCP writes for a non-tensor value)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = read_md(path)
+    old = [i for i in md.storage_data if i.fqn == fqn]
+    template = md.storage_data[old[0]]
+    for index in old:
+        del md.storage_data[index]
+    md.state_dict_metadata[fqn] = BytesStorageMetadata()
+    index = MetadataIndex(fqn)
+    md.storage_data[index] = type(template)(template.relative_path, 0, 0)
+    append_blob(path, index, with_pickle(pkl), md)
+    write_md(path, md)
 
 
 def run_child(path: Path, entries: tuple[str, ...] = ENTRIES) -> dict[str, Any]:

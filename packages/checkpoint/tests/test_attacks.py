@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -25,7 +26,9 @@ import pytest
 import torch
 from _attackkit import (
     ENTRIES,
+    OPTIM_ENTRIES,
     append_blob,
+    as_object,
     binint,
     colliding_int_dict,
     global_,
@@ -33,6 +36,7 @@ from _attackkit import (
     pk,
     read_md,
     run_child,
+    save_optim,
     saved,
     tensor_index,
     unicode,
@@ -112,7 +116,7 @@ def _view_past_storage(path: Path) -> bytes:
     hooks = global_("collections", "OrderedDict") + b")R"
     pkl = pk(
         global_("torch._utils", "_rebuild_tensor_v2"),
-        b"(", storage, binint(8), b"K\x10\x85K\x01\x85\x89", hooks, b"tR",
+        storage, binint(8), b"K\x10\x85K\x01\x85\x89", hooks, b"tR",
     )  # fmt: skip
     return with_pickle(pkl, {"0": torch.arange(16.0).numpy().tobytes()})
 
@@ -166,7 +170,9 @@ def _flood_metadata(path: Path) -> None:
     (version_dir(path) / ".metadata").write_bytes(raw[:at] + colliding_int_dict(60_000) + raw[end:])
 
 
-def _chunks(fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Callable[[Path], None]:
+def _chunks(
+    fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> Callable[[Path], None]:
     """Item ``fqn`` stored as the chunks ``(offsets, sizes)``, each with its own sound blob."""
 
     def build(path: Path) -> None:
@@ -183,7 +189,7 @@ def _chunks(fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> C
             info = type(template)(template.relative_path, 0, 0, template.transform_descriptors)
             md.storage_data[index] = info
             item.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+            part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].clone()
             append_blob(path, index, saved(part), md)
         write_md(path, md)
 
@@ -205,12 +211,12 @@ def _link(name: str | None) -> Callable[[Path], None]:
     return build
 
 
-def _distcp(path: Path) -> str:
-    return str(read_md(path).storage_data[tensor_index(path, "extra.b")].relative_path)
+def _distcp(path: Path, fqn: str = "extra.b") -> str:
+    return str(read_md(path).storage_data[tensor_index(path, fqn)].relative_path)
 
 
-def _fifo(path: Path) -> None:
-    target = version_dir(path) / _distcp(path)
+def _fifo(path: Path, fqn: str = "extra.b") -> None:
+    target = version_dir(path) / _distcp(path, fqn)
     target.unlink()
     os.mkfifo(target)
 
@@ -249,7 +255,38 @@ def _files_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def _check(results: dict[str, Any], size: int, *, inspect_refuses: bool) -> None:
+REASONS: dict[str, str] = {
+    "another codec": "_codecs.encode is allowed only",
+    "another dtype than declared": "holds a Tensor where the metadata declares",
+    "bytearray of 2**30": "bytearray is allowed only of bytes",
+    "bytes after the zip": "not one torch.save zip",
+    "code in an item": "global 'posix.system' is not allowed",
+    "hash flooding in an item": "share a hash value",
+    "legacy-format prefix": "not one torch.save zip",
+    "lists nested 100,000 deep": "nested more than 256 deep",
+    "punycode CPU bomb": "_codecs.encode is allowed only",
+    "set of a shared list, again and again": "share a hash value",
+    "tensor pickle is a laughs dict": "a key of type tuple is not allowed",
+    "tensor pickle with laughs": "a key of type tuple is not allowed",
+    "view past its storage": "reaches past its storage",
+    "2-D overlap and gap of equal volume": "do not tile it exactly",
+    "FIFO as a .distcp file": "is absent or not a regular file",
+    "a chunk twice": "do not tile it exactly",
+    "hash flooding in the metadata": "share a hash value",
+    "overlapping chunks [0, 8) + [4, 12)": "do not tile it exactly",
+    **dict.fromkeys(
+        ["symlinked .distcp file", "symlinked version directory", "symlinked .metadata",
+         "symlinked commit record", "symlinked LATEST"],
+        "is a symbolic link",
+    ),
+}  # fmt: skip
+"""Per case, what every refusal must say: the check meant to catch it caught it (a malformed
+payload would be refused too, for another reason, and test nothing)."""
+
+
+def _check(
+    results: dict[str, Any], size: int, *, inspect_refuses: bool, reason: str | None = None
+) -> None:
     for entry, r in results.items():
         if r is None:
             continue  # not installed here
@@ -260,6 +297,8 @@ def _check(results: dict[str, Any], size: int, *, inspect_refuses: bool) -> None
             assert r["error"] is None or r["typed"], where
         else:
             assert r["typed"], f"{where}: not refused with UnsafeCheckpointError"
+        if r["typed"] and reason is not None:
+            assert re.search(reason, r["message"]), f"{where}: not refused for {reason!r}"
 
 
 def _attack(base: Path, tmp_path: Path, build: Callable[[Path], None]) -> Path:
@@ -273,8 +312,8 @@ def _attack(base: Path, tmp_path: Path, build: Callable[[Path], None]) -> Path:
 def test_payload_attacks_are_refused_within_bounds(base: Path, tmp_path: Path, name: str) -> None:
     path = _attack(base, tmp_path, PAYLOAD[name])
     results = run_child(path, (*ENTRIES, "load_consolidated"))
-    results.pop("load_consolidated", None)  # not an optimizer checkpoint: see test_optim_*
-    _check(results, _files_size(path), inspect_refuses=False)
+    results.pop("load_consolidated", None)  # not an optimizer checkpoint: see the optimizer's
+    _check(results, _files_size(path), inspect_refuses=False, reason=re.escape(REASONS[name]))
     assert not (Path.cwd() / "pwned").exists() and not (path / "pwned").exists()
 
 
@@ -283,7 +322,9 @@ def test_metadata_and_layout_attacks_are_refused_within_bounds(
     base: Path, tmp_path: Path, name: str
 ) -> None:
     path = _attack(base, tmp_path, LAYOUT[name])
-    _check(run_child(path), _files_size(path), inspect_refuses=True)
+    _check(
+        run_child(path), _files_size(path), inspect_refuses=True, reason=re.escape(REASONS[name])
+    )
 
 
 def test_a_plain_dcp_checkpoint_with_a_legacy_prefix_is_refused_by_the_reader(
@@ -298,6 +339,97 @@ def test_a_plain_dcp_checkpoint_with_a_legacy_prefix_is_refused_by_the_reader(
     _check(run_child(path, ("reader",)), _files_size(path), inspect_refuses=True)
     _object(pk(global_("__builtin__", "bytearray"), binint(1 << 30), b"\x85R"))(path)
     _check(run_child(path, ("reader",)), _files_size(path), inspect_refuses=True)
+
+
+# ------------------------------------------------------------------ optimizer checkpoints
+
+_BIAS = "state/3/exp_avg"  # 16 elements, like extra.b: the tensor builders fit it as they are
+_HEADER = "shardkit/header"  # a JSON record, stored as a uint8 tensor
+
+OPTIM_PAYLOAD: dict[str, Callable[[Path], None]] = {
+    "header as a bytearray of 2**30": lambda p: as_object(
+        p, _HEADER, pk(global_("__builtin__", "bytearray"), binint(1 << 30), b"\x85R")
+    ),
+    "header as a punycode CPU bomb": lambda p: as_object(p, _HEADER, _punycode()),
+    "header as 60,000 int keys of one hash": lambda p: as_object(
+        p, _HEADER, pk(colliding_int_dict(60_000))
+    ),
+    "header as code": lambda p: as_object(
+        p, _HEADER, pk(global_("posix", "system"), unicode("touch pwned"), b"\x85R")
+    ),
+    "moment pickle with laughs": _tensor(_hooks_laughs, _BIAS),
+    "moment with a legacy-format prefix": _tensor(_legacy_prefix, _BIAS),
+    "moment viewing past its storage": _tensor(_view_past_storage, _BIAS),
+    "moment in another dtype than declared": _tensor(
+        lambda p: saved(torch.arange(16.0, dtype=torch.float64)), _BIAS
+    ),
+}
+"""The payload classes above on a ``save_sharded`` checkpoint (its items are tensors: an object
+payload goes where an attacker would put it, in place of the header record)."""
+
+OPTIM_LAYOUT: dict[str, Callable[[Path], None]] = {
+    "hash flooding in the metadata": _flood_metadata,
+    "overlapping moment chunks": _chunks(_BIAS, [((0,), (8,)), ((4,), (8,))]),
+    "symlinked .distcp file": lambda p: _link(_distcp(p, _BIAS))(p),
+    "symlinked version directory": _link(None),
+    "symlinked .metadata": _link(".metadata"),
+    "symlinked commit record": _link("SHARDKIT_COMMIT"),
+    "symlinked LATEST": _latest_link,
+    "FIFO as a .distcp file": lambda p: _fifo(p, _BIAS),
+}
+"""The metadata and layout classes above on a ``save_sharded`` checkpoint."""
+
+
+_RECORD = "is not a 1-D uint8 record"  # shardkit-optim refuses the record before decoding it
+_OPTIM_REASONS: dict[str, str] = {
+    "header as a bytearray of 2**30": f"{REASONS['bytearray of 2**30']}|{_RECORD}",
+    "header as a punycode CPU bomb": f"{REASONS['punycode CPU bomb']}|{_RECORD}",
+    "header as 60,000 int keys of one hash": f"{REASONS['hash flooding in an item']}|{_RECORD}",
+    "header as code": f"{re.escape(REASONS['code in an item'])}|{_RECORD}",
+    "moment pickle with laughs": REASONS["tensor pickle with laughs"],
+    "moment with a legacy-format prefix": REASONS["legacy-format prefix"],
+    "moment viewing past its storage": REASONS["view past its storage"],
+    "moment in another dtype than declared": REASONS["another dtype than declared"],
+    "hash flooding in the metadata": REASONS["hash flooding in the metadata"],
+    "overlapping moment chunks": REASONS["a chunk twice"],
+    "FIFO as a .distcp file": REASONS["FIFO as a .distcp file"],
+    **{k: REASONS[k] for k in OPTIM_LAYOUT if k.startswith("symlinked")},
+}
+"""What each refusal on the optimizer's checkpoint must say (a regex)."""
+
+
+@pytest.fixture(scope="module")
+def optim_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("shardkit.optim", reason="the optimizer's entry points need shardkit-optim")
+    path = tmp_path_factory.mktemp("optim-attacks") / "ckpt"
+    save_optim(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(OPTIM_PAYLOAD) + sorted(OPTIM_LAYOUT))
+def test_optimizer_checkpoint_attacks_are_refused_within_bounds(
+    optim_base: Path, tmp_path: Path, name: str
+) -> None:
+    """Every entry point, shardkit-optim's ``load_sharded`` and ``load_consolidated`` too, refuses
+    each class of attack on a ``save_sharded`` checkpoint with ``UnsafeCheckpointError`` within
+    the bounds (``inspect``, which reads the metadata and the layout only, stays within the
+    bounds on a payload attack)."""
+    path = _attack(optim_base, tmp_path, {**OPTIM_PAYLOAD, **OPTIM_LAYOUT}[name])
+    results = run_child(path, OPTIM_ENTRIES)
+    _check(
+        results,
+        _files_size(path),
+        inspect_refuses=name in OPTIM_LAYOUT,
+        reason=_OPTIM_REASONS[name],
+    )
+    assert not (Path.cwd() / "pwned").exists() and not (path / "pwned").exists()
+
+
+def test_a_sound_optimizer_checkpoint_loads_through_every_entry(optim_base: Path) -> None:
+    results = run_child(optim_base, OPTIM_ENTRIES)
+    for entry, r in results.items():
+        assert r is not None and r["error"] is None, f"{entry}: {r}"
+        assert r["seconds"] < SECONDS, f"{entry}: {r}"
 
 
 def test_a_sound_checkpoint_still_loads_through_every_entry(base: Path) -> None:

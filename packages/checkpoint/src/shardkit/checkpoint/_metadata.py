@@ -343,6 +343,7 @@ def check_storage(metadata: Metadata, directory: Location | str | os.PathLike[st
             end = offset + length
         if end > size:
             raise UnsafeCheckpointError(
-                f"{f} {'is absent' if size < 0 else f'has {size} bytes'} but the metadata needs "
+                f"{f} {'is absent or not a regular file' if size < 0 else f'has {size} bytes'} "
+                f"but the metadata needs "
                 f"{end}: the checkpoint is truncated or damaged"
             )
