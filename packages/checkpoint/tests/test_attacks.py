@@ -32,6 +32,7 @@ from _attackkit import (
     binint,
     colliding_int_dict,
     global_,
+    long1,
     object_index,
     pk,
     read_md,
@@ -45,7 +46,7 @@ from _attackkit import (
     write_md,
 )
 from _ckpt_testkit import laughs_pickle, model_and_optim, state_of
-from shardkit.checkpoint import save
+from shardkit.checkpoint import load, save
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -121,6 +122,21 @@ def _view_past_storage(path: Path) -> bytes:
     return with_pickle(pkl, {"0": torch.arange(16.0).numpy().tobytes()})
 
 
+def _expanded(path: Path) -> bytes:
+    """An item ``{"t": <a 1-element storage viewed as 2**40 elements, stride 0>}``: nothing
+    allocated, then 2**40 steps for whoever touches it."""
+    storage = (
+        b"((" + unicode("storage") + global_("torch", "FloatStorage") + unicode("0")
+        + unicode("cpu") + b"K\x01tQ"
+    )  # fmt: skip
+    hooks = global_("collections", "OrderedDict") + b")R"
+    view = (
+        global_("torch._utils", "_rebuild_tensor_v2") + storage + b"K\x00"
+        + long1(1 << 40) + b"\x85K\x00\x85\x89" + hooks + b"tR"
+    )  # fmt: skip
+    return with_pickle(pk(b"}(", unicode("t"), view, b"u"), {"0": torch.ones(1).numpy().tobytes()})
+
+
 def _trailing(path: Path) -> bytes:
     return saved(torch.arange(16.0)) + b"\0" * 64
 
@@ -143,6 +159,9 @@ PAYLOAD: dict[str, Callable[[Path], None]] = {
     "punycode CPU bomb": _object(_punycode()),
     "hash flooding in an item": _object(pk(colliding_int_dict(60_000))),
     "set of a shared list, again and again": _object(_set_of_shared_list()),
+    "an expanded view of 2**40 elements in an item": lambda p: append_blob(
+        p, object_index(p), _expanded(p)
+    ),
     "another codec": _object(pk(global_("_codecs", "encode"), unicode("a"), unicode("rot13"), b"\x86R")),
     "lists nested 100,000 deep": _object(pk(b"(" * 100_000 + b"l" * 100_000)),
     "code in an item": _object(pk(global_("posix", "system"), unicode("touch pwned"), b"\x85R")),
@@ -256,6 +275,7 @@ def _files_size(path: Path) -> int:
 
 
 REASONS: dict[str, str] = {
+    "an expanded view of 2**40 elements in an item": "a tensor view at offset",
     "another codec": "_codecs.encode is allowed only",
     "another dtype than declared": "holds a Tensor where the metadata declares",
     "bytearray of 2**30": "bytearray is allowed only of bytes",
@@ -382,6 +402,7 @@ OPTIM_LAYOUT: dict[str, Callable[[Path], None]] = {
 
 _RECORD = "is not a 1-D uint8 record"  # shardkit-optim refuses the record before decoding it
 _OPTIM_REASONS: dict[str, str] = {
+    "an expanded view of 2**40 elements in an item": "a tensor view at offset",
     "header as a bytearray of 2**30": f"{REASONS['bytearray of 2**30']}|{_RECORD}",
     "header as a punycode CPU bomb": f"{REASONS['punycode CPU bomb']}|{_RECORD}",
     "header as 60,000 int keys of one hash": f"{REASONS['hash flooding in an item']}|{_RECORD}",
@@ -437,6 +458,22 @@ def test_a_sound_checkpoint_still_loads_through_every_entry(base: Path) -> None:
     for entry, r in results.items():
         assert r["error"] is None, f"{entry}: {r}"
         assert r["seconds"] < SECONDS, f"{entry}: {r}"
+
+
+def test_expanded_views_of_a_few_times_their_storage_load(tmp_path: Path) -> None:
+    """[Note: An expanded view is work] in ``_payload.py``: what models' buffers hold (a
+    ``(1, n)`` view of ``arange(n)``, an ``expand`` to four times its storage) loads equal."""
+    path = tmp_path / "ckpt"
+    pos = torch.arange(512).expand((1, -1))
+    state = {"extra": {"pos": pos, "wide": torch.arange(64.0).expand(4, 64)}}
+    save(state, path)
+    results = run_child(path)
+    for entry, r in results.items():
+        assert r["error"] is None, f"{entry}: {r}"
+    loaded = {"extra": {"pos": torch.zeros(1, 512, dtype=torch.long), "wide": torch.zeros(4, 64)}}
+    load(loaded, path)
+    assert torch.equal(loaded["extra"]["pos"], pos)
+    assert torch.equal(loaded["extra"]["wide"], state["extra"]["wide"])
 
 
 def test_many_one_element_chunks_load_in_linear_time(tmp_path: Path) -> None:

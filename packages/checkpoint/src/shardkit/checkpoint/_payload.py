@@ -303,6 +303,31 @@ def _rebuild_tensor_v3(
     return _rebuild_tensor(typed, offset, size, stride, requires_grad, hooks, *rest)
 
 
+def _charged(rebuild: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``rebuild``, charging the view's elements beyond its storage's as work: see [Note: An
+    expanded view is work]."""
+
+    def call(m: Any, *args: Any) -> torch.Tensor:
+        t = rebuild(*args)
+        backed = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+        m.charge(max(0, t.numel() - backed), "a tensor view")
+        return t
+
+    return call
+
+
+# [Note: An expanded view is work]
+# A stored tensor is a view of its storage record, and a view with a stride of 0 (what
+# ``torch.save`` writes for an ``expand``-ed tensor) has as many elements as its size says over
+# as few bytes as its storage has: a 1-element storage viewed as 2**40 elements is a dozen bytes
+# of pickle, allocates nothing here, and then costs whoever touches it (a sum, a copy into a
+# state dict) 2**40 steps. So the decoder charges a view's elements beyond its storage's as work
+# (the pickle's budget is 64 units per byte: [Note: Bounded work on untrusted input] in
+# ``_unpickle.py``): an ``expand`` to a few times its storage, as models' buffers use (a
+# ``(1, n)`` view of ``arange(n)`` has none beyond), loads; one that turns bytes into terabytes is
+# refused.
+
+
 def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> torch.Tensor:
     if not isinstance(data, torch.Tensor) or type(requires_grad) is not bool:
         raise UnsafePickleError("a parameter must wrap a tensor")
@@ -372,8 +397,8 @@ def _device(*args: Any) -> torch.device:
 
 
 _TABLE: tuple[tuple[tuple[str, str], Callable[..., Any], bool], ...] = (
-    (("torch._utils", "_rebuild_tensor_v2"), _rebuild_tensor, False),
-    (("torch._utils", "_rebuild_tensor_v3"), _rebuild_tensor_v3, False),
+    (("torch._utils", "_rebuild_tensor_v2"), _charged(_rebuild_tensor), True),
+    (("torch._utils", "_rebuild_tensor_v3"), _charged(_rebuild_tensor_v3), True),
     (("torch._utils", "_rebuild_parameter"), _rebuild_parameter, False),
     (("collections", "OrderedDict"), _ordered_dict, True),
     (("_codecs", "encode"), _encode, False),
