@@ -42,7 +42,11 @@ option of it: ``_free_staging`` (``keep_staging_buffers=False``), ``_views``
 ``"int4"``: quantized collectives, fp32 masters of the owned shard). The ``ddp_mmap_threshold`` and
 ``shardkit_zero2_mmap_threshold`` rows run with ``MALLOC_MMAP_THRESHOLD_=131072`` (every block
 of 128 KiB or more mapped afresh and unmapped when freed, so resident memory follows the live
-tensors): what the same programs hold when the allocator keeps nothing freed.
+tensors): what the same programs hold when the allocator keeps nothing freed. On CUDA only, the
+``*_expandable_segments`` rows set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and
+``shardkit_zero2_release_cache`` calls ``torch.cuda.empty_cache()`` once the system is built
+(the model's own parameter blocks, freed when the params moved into the flat buckets, go back to
+the driver): what those cached blocks add to the reserved peak.
 
 Run: ``python -m pytest -o python_files='bench_*.py' packages/ddp/benchmarks/bench_memory.py
 -q -s`` (about 20 minutes on 2 cores; ``SHARDKIT_BENCH_MEM_ONLY=a,b`` runs those systems only).
@@ -94,6 +98,7 @@ _ALL = (
     "shardkit_zero2_mmap_threshold",
     "torch_zero_expandable_segments",
     "shardkit_zero2_expandable_segments",
+    "shardkit_zero2_release_cache",
 )
 _ONLY = [s for s in os.environ.get("SHARDKIT_BENCH_MEM_ONLY", "").split(",") if s]
 _SYSTEMS = tuple(s for s in _ALL if not _ONLY or s in _ONLY)
@@ -143,6 +148,7 @@ def _build(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, Any]:
     from shardkit.optim import ShardedOptimizer
 
     name = name.removesuffix("_mmap_threshold").removesuffix("_expandable_segments")
+    name = name.removesuffix("_release_cache")
     bf16 = name == "shardkit_zero2_bf16"
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(_WIDTH, _WIDTH) for _ in range(_LAYERS)])
@@ -191,6 +197,14 @@ def _build(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, Any]:
     return sdp, model, opt
 
 
+def _released(name: str, device: torch.device) -> None:
+    """``*_release_cache`` rows: the blocks freed while building (the model's own parameter
+    storage, moved into the flat buckets) handed back to the driver before the steps, to
+    measure what they add to the reserved peak (the ddp README's CUDA section)."""
+    if name.endswith("_release_cache") and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _measure(name: str, rank: int, device: torch.device) -> dict[str, float]:
     """One system on this rank: growth over the baseline, bytes per param."""
     cuda = device if device.type == "cuda" else None
@@ -200,6 +214,7 @@ def _measure(name: str, rank: int, device: torch.device) -> dict[str, float]:
     base, (heap_base, free_base) = memory_sample(cuda), _heap()
     reset_peak_memory(cuda)
     run, model, opt = _build(name, device)
+    _released(name, device)
     built = memory_sample(cuda)
     n = sum(p.numel() for p in model.parameters())
     dtype = next(model.parameters()).dtype
@@ -310,8 +325,8 @@ def _bench(benchmark: Any, world: int, device: str) -> dict[str, dict[str, float
 
     def run_all() -> None:
         for name in _SYSTEMS:
-            if name.endswith("_expandable_segments") and device != "cuda":
-                continue  # a CUDA caching-allocator setting
+            if name.endswith(("_expandable_segments", "_release_cache")) and device != "cuda":
+                continue  # a CUDA caching-allocator setting or call
             results[name] = _summary([_run(name, world, device) for _ in range(_REPEATS)])
             print(name, json.dumps({k: round(v, 2) for k, v in results[name].items()}), flush=True)
 

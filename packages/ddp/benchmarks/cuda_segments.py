@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, port: int, name: str, out: str) -> None:
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     base_reserved, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     run, model, opt = bench_memory._build(name, device)
+    bench_memory._released(name, device)
     n = sum(p.numel() for p in model.parameters())
     dtype = next(model.parameters()).dtype
     lines = [f"{name}, rank {rank}, world {world}, {n} params; bytes per param"]
