@@ -46,7 +46,8 @@ tensors): what the same programs hold when the allocator keeps nothing freed. On
 ``*_expandable_segments`` rows set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and
 ``shardkit_zero2_release_cache`` calls ``torch.cuda.empty_cache()`` once the system is built
 (the model's own parameter blocks, freed when the params moved into the flat buckets, go back to
-the driver): what those cached blocks add to the reserved peak.
+the driver): what those cached blocks add to the reserved peak (since shardkit-optim 0.11.1
+the engine releases them itself, so the row should match ``shardkit_zero2``).
 
 Run: ``python -m pytest -o python_files='bench_*.py' packages/ddp/benchmarks/bench_memory.py
 -q -s`` (about 20 minutes on 2 cores; ``SHARDKIT_BENCH_MEM_ONLY=a,b`` runs those systems only).

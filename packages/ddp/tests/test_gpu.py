@@ -114,6 +114,13 @@ def _no_churn() -> None:
         reserved.append(torch.cuda.memory_reserved(device))
     assert all(r == [] for r in records[1:]), records
     assert reserved[1:] == [reserved[1]] * (len(reserved) - 1), reserved
+    # the first step made every moment in one allocation ([Note: Moments in one allocation] in
+    # shardkit.optim._state): none is cut out of a block the params left in the cache
+    held = [opt.state[p] for p in model.parameters()]
+    moments = {
+        s[k].untyped_storage().data_ptr() for s in held if s for k in ("exp_avg", "exp_avg_sq")
+    }
+    assert len(moments) == 1, moments
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_masters"])

@@ -85,7 +85,7 @@ from shardkit.optim._master_set import (
     step_shard,
 )
 from shardkit.optim._state import _hyperparams as hyperparams
-from shardkit.optim._state import share_hyperparams
+from shardkit.optim._state import allocate_moments, share_hyperparams
 from torch.optim import Optimizer
 
 __all__ = ["ShardEntry", "ShardStepper"]
@@ -359,6 +359,9 @@ class ShardStepper:
                 or (e.bucket.index, e.position) in unused
             ):
                 (plain if e.master is None else chunks.setdefault(e.bucket.index, [])).append(e)
+        stepped = [e.opt for e in plain] + [e.opt for es in chunks.values() for e in es]
+        # CUDA only: [Note: Moments in one allocation]
+        allocate_moments(local, [t for t in stepped if t.device.type == "cuda"])
         if plain:
 
             def run_plain() -> None:
