@@ -344,6 +344,5 @@ def check_storage(metadata: Metadata, directory: Location | str | os.PathLike[st
         if end > size:
             raise UnsafeCheckpointError(
                 f"{f} {'is absent or not a regular file' if size < 0 else f'has {size} bytes'} "
-                f"but the metadata needs "
-                f"{end}: the checkpoint is truncated or damaged"
+                f"but the metadata needs {end}: the checkpoint is truncated or damaged"
             )

@@ -304,11 +304,12 @@ def _rebuild_tensor_v3(
 
 
 def _charged(rebuild: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``rebuild``, charging the view's elements beyond its storage's as work: see [Note: An
-    expanded view is work]."""
+    """``rebuild``, charging the view's elements beyond what its item's bytes hold as work: see
+    [Note: An expanded view is work]."""
 
     def call(m: Any, *args: Any) -> torch.Tensor:
         t = rebuild(*args)
+        # a storage record is a view of the item's bytes: what those bytes hold, at most
         backed = t.untyped_storage().nbytes() // max(t.element_size(), 1)
         m.charge(max(0, t.numel() - backed), "a tensor view")
         return t
@@ -321,11 +322,11 @@ def _charged(rebuild: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 # ``torch.save`` writes for an ``expand``-ed tensor) has as many elements as its size says over
 # as few bytes as its storage has: a 1-element storage viewed as 2**40 elements is a dozen bytes
 # of pickle, allocates nothing here, and then costs whoever touches it (a sum, a copy into a
-# state dict) 2**40 steps. So the decoder charges a view's elements beyond its storage's as work
-# (the pickle's budget is 64 units per byte: [Note: Bounded work on untrusted input] in
-# ``_unpickle.py``): an ``expand`` to a few times its storage, as models' buffers use (a
-# ``(1, n)`` view of ``arange(n)`` has none beyond), loads; one that turns bytes into terabytes is
-# refused.
+# state dict) 2**40 steps. So the decoder charges a view's elements beyond what the stored item's
+# bytes could hold (its storage records are views of those bytes) as work (the pickle's budget
+# is 64 units per byte: [Note: Bounded work on untrusted input] in ``_unpickle.py``): an
+# ``expand`` to a few times its storage, as models' buffers use (a ``(1, n)`` view of
+# ``arange(n)`` has none beyond), loads; one that turns bytes into terabytes is refused.
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> torch.Tensor:

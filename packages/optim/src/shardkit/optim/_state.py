@@ -462,13 +462,15 @@ def allocate_moments(optimizer: Optimizer, tensors: Sequence[torch.Tensor]) -> N
         optimizer: The local optimizer (``tensors`` are params of its groups).
         tensors: The tensors about to be stepped (with a gradient this step).
     """
-    if type(optimizer) not in _CLASSES or not tensors:
+    if type(optimizer) not in _CLASSES:
         return
-    wanted = {id(t) for t in tensors}
+    wanted = {id(t) for t in tensors if not optimizer.state.get(t)}  # after the first step: none
+    if not wanted:
+        return
     fresh: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if id(p) in wanted and not optimizer.state.get(p) and _eligible(group, p):
+            if id(p) in wanted and _eligible(group, p):
                 fresh.setdefault((p.device, p.dtype), []).append((p, group))
     for (device, dtype), items in fresh.items():
         counts = [2 + int(bool(g.get("amsgrad"))) for _, g in items]
