@@ -189,6 +189,15 @@ class _Spans:
 _POLL = 32
 """Every this many inspected calls, the guard forgets the gathers that have finished."""
 
+# [Note: The guard polls on tensor calls]
+# The poll counts only the calls with a tensor among their arguments. The others (torch's
+# profiler ranges, ``torch.no_grad()``'s ``_set_grad_enabled``, factories such as
+# ``torch.ones(3)``) touch no param, and ``step()`` itself makes some of them after it armed
+# the guard: the range ``Optimizer.step`` opens around every step closes there. Counted, they
+# would run the poll inside ``step()``, and whether the guard is still on the stack when
+# ``step()`` returns would depend on how fast the backend finished the gathers (the CI run of
+# 1431201 met it). A user's own loop polls on its tensor ops, as before.
+
 
 class _Gathers(Protocol):
     """What the guard needs of one wrapper's param gathers (:class:`_ParamGather`)."""
@@ -223,7 +232,8 @@ class _ParamGuard(TorchFunctionMode):
         self.calls = 0
         """Torch functions that passed through since construction (for the benchmarks)."""
         self.inspected = 0
-        """Of those, the ones whose arguments were matched against pending buckets."""
+        """Of those, the ones with a tensor among their arguments, matched against pending
+        buckets (what the poll counts: see [Note: The guard polls on tensor calls])."""
 
     def __torch_function__(
         self,
@@ -236,17 +246,19 @@ class _ParamGuard(TorchFunctionMode):
             kwargs = {}
         self.calls += 1
         if self.refs and getattr(func, "__name__", None) not in _NO_VALUES:
-            self.inspected += 1
             self.depth += 1
             try:
                 gathers = [g for r in self.refs if (g := r()) is not None]
+                tensors = False
                 for a in args:
-                    _touch(gathers, a)
+                    tensors |= _touch(gathers, a)
                 for a in kwargs.values():
-                    _touch(gathers, a)
-                if self.inspected % _POLL == 0:
-                    for g in gathers:
-                        g.forget_finished()
+                    tensors |= _touch(gathers, a)
+                if tensors:  # See [Note: The guard polls on tensor calls]
+                    self.inspected += 1
+                    if self.inspected % _POLL == 0:
+                        for g in gathers:
+                            g.forget_finished()
             finally:
                 self.depth -= 1
             if not self.refs:  # this call completed the last gather
@@ -398,15 +410,19 @@ def _take_off(guard: _ParamGuard) -> bool:
     return remove_function_mode(guard)
 
 
-def _touch(gathers: list[_Gathers], a: Any) -> None:
+def _touch(gathers: list[_Gathers], a: Any) -> bool:
     """Waits for the pending gather of every bucket ``a`` (a tensor, or a list / tuple of
-    them) points into."""
+    them) points into; returns whether ``a`` is or holds a tensor."""
     if type(a) in _PLAIN:
         _wait_for(gathers, a)
-    elif type(a) is list or type(a) is tuple:
+        return True
+    seen = False
+    if type(a) is list or type(a) is tuple:
         for t in a:
             if type(t) in _PLAIN:
                 _wait_for(gathers, t)
+                seen = True
+    return seen
 
 
 def _wait_for(gathers: list[_Gathers], t: torch.Tensor) -> None:
