@@ -56,6 +56,46 @@ def _build(
     return buckets
 
 
+@pytest.mark.parametrize("compact", [None, "int8"])
+def test_flat_buffers_share_one_allocation_off_the_cpu(compact: str | None) -> None:
+    """[Note: Flat buffers in one allocation]: off the CPU (``meta`` stands in for CUDA here),
+    every bucket of a dtype is a view of one allocation, starting at a multiple of 64
+    elements, the views disjoint and in bucket order, the params views of their bucket; on a
+    CPU each bucket has a storage of its own (``share_memory()`` moves whole storages)."""
+    shapes = [(2048, 2048), (2048,), (5, 3), (), (0,), (1000, 3), (7,)]
+    for device in ("meta", "cpu"):
+        params = [nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+        params.append(nn.Parameter(torch.zeros(9, dtype=torch.float64, device=device)))
+        buckets, _ = build_flat_buckets(
+            [{"params": params}],
+            [True],
+            3,
+            cap_bytes=1 << 20,
+            first_cap_bytes=1 << 20,
+            compact_state=compact,
+        )
+        assert len(buckets) >= 3
+        for b in buckets:
+            for p, off in zip(b.params, b.offsets, strict=True):
+                assert p.untyped_storage().nbytes() == b.flat.untyped_storage().nbytes()
+                assert p.storage_offset() == b.flat.storage_offset() + off
+        if device == "cpu":
+            assert all(b.flat.storage_offset() == 0 for b in buckets)
+            assert all(
+                b.flat.untyped_storage().nbytes() == b.numel * b.flat.element_size()
+                for b in buckets
+            )
+            continue
+        for dtype in (torch.float32, torch.float64):
+            mine = [b for b in buckets if b.dtype is dtype]
+            total = sum(-(-b.numel // 64) * 64 for b in mine)
+            end = 0
+            for b in mine:
+                assert b.flat.untyped_storage().nbytes() == total * b.flat.element_size()
+                assert b.flat.storage_offset() % 64 == 0 and b.flat.storage_offset() >= end
+                end = b.flat.storage_offset() + b.numel
+
+
 def test_elementwise_classes() -> None:
     assert is_elementwise(torch.optim.AdamW)
     assert not is_elementwise(type("Muon", (torch.optim.SGD,), {}))  # subclasses may not be

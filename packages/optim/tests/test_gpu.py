@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from shardkit.optim import ShardedGradScaler, ShardedOptimizer, load_sharded, save_sharded
+from shardkit.optim import (
+    ShardedGradScaler,
+    ShardedOptimizer,
+    build_flat_buckets,
+    load_sharded,
+    save_sharded,
+)
 from shardkit.testing import rank_cuda_device, world
 from torch import nn
 
@@ -147,3 +153,30 @@ def test_master_weights_nccl_world1(tmp_path: Path) -> None:
 @world(2)
 def test_master_weights_gloo_ranks_sharing_a_gpu(tmp_path: Path) -> None:
     _master_body(tmp_path)
+
+
+@pytest.mark.cuda
+def test_flat_buffers_round_once_on_cuda() -> None:
+    """[Note: Flat buffers in one allocation]: four buckets of a 2048 x 2048 weight and its bias
+    (16.01 MiB each) grow the reserved memory by their bytes rounded up once (66 MiB), not once
+    per bucket (4 x 18 MiB), and the params keep their values."""
+    torch.cuda.empty_cache()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = [
+        nn.Parameter(torch.randn(s, device="cuda", generator=g))
+        for _ in range(4)
+        for s in ((2048, 2048), (2048,))
+    ]
+    values = [p.detach().clone() for p in params]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    cap = 16 << 20
+    buckets, _ = build_flat_buckets(
+        [{"params": params}], [True], 2, cap_bytes=cap, first_cap_bytes=cap
+    )
+    grown = torch.cuda.memory_reserved() - before
+    flats = sum(b.numel * b.flat.element_size() for b in buckets)
+    assert len(buckets) == 4 and flats > 4 * (16 << 20)
+    assert grown <= flats + (2 << 20), (grown, flats)
+    for p, v in zip(params, values, strict=True):
+        assert torch.equal(p, v)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from shardkit.buckets import plan_buckets
+from shardkit.buckets import BucketSpec, plan_buckets
 from shardkit.optim._compact import compact_formats, moment_formats
 from shardkit.optim._compact_optim import is_compact_class
 from shardkit.partition import partition
@@ -237,7 +237,7 @@ def build_flat_buckets(
         The buckets (in launch order: by group, then plan order) and one fingerprint string
         per group, for a cross-rank check of the plan.
     """
-    buckets: list[B] = []
+    planned: list[tuple[int, list[torch.Tensor], list[int], list[int], int, BucketSpec]] = []
     prints: list[str] = []
     for gi, g in enumerate(param_groups):
         params = [p for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad]
@@ -262,26 +262,79 @@ def build_flat_buckets(
                     offsets, shard = _aligned_layout(ps, world, compact_state)
             else:
                 offsets, owners, shard = _whole_param_layout(ps, world)
-            flat = torch.zeros(shard * world, dtype=spec.dtype, device=spec.device)
-            with torch.no_grad():
-                for p, off in zip(ps, offsets, strict=True):
-                    view = flat[off : off + p.numel()].view_as(p)
-                    view.copy_(p.detach())
-                    p.data = view
-            buckets.append(
-                bucket_type(
-                    first_index + len(buckets),
-                    gi,
-                    elementwise[gi],
-                    ps,
-                    offsets,
-                    owners,
-                    shard,
-                    world,
-                    flat,
-                )
+            planned.append((gi, ps, offsets, owners, shard, spec))
+    # See [Note: Flat buffers in one allocation]
+    flats = _one_buffer_each(
+        [(spec.dtype, spec.device, shard * world) for *_, shard, spec in planned]
+    )
+    buckets: list[B] = []
+    for (gi, ps, offsets, owners, shard, _), flat in zip(planned, flats, strict=True):
+        with torch.no_grad():
+            flat.zero_()  # the padding stays zero
+            for p, off in zip(ps, offsets, strict=True):
+                view = flat[off : off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+        buckets.append(
+            bucket_type(
+                first_index + len(buckets),
+                gi,
+                elementwise[gi],
+                ps,
+                offsets,
+                owners,
+                shard,
+                world,
+                flat,
             )
+        )
     return buckets, prints
+
+
+_FLAT_ALIGN = 64
+"""Elements between the starts of two flat buffers in one allocation (a multiple of every
+vector width and of NCCL's 16-byte alignment, for every dtype)."""
+
+
+def _one_buffer_each(
+    sizes: Sequence[tuple[torch.dtype, torch.device, int]],
+) -> list[torch.Tensor]:
+    """One flat buffer per entry of ``sizes`` (dtype, device, elements), left uninitialised:
+    on a CPU one allocation each; on any other device (CUDA, and ``meta`` in the tests) views
+    of one allocation per (dtype, device).
+
+    [Note: Flat buffers in one allocation]
+    On CUDA the buckets' flat buffers are laid out in one allocation per dtype and device, each
+    view starting at a multiple of :data:`_FLAT_ALIGN` elements. A bucket is planned to the cap
+    plus whatever its last param brings, so its buffer is rarely a round size: a 2048 x 2048
+    weight and its bias are 16.01 MiB, which CUDA's caching allocator serves from an 18 MiB
+    segment (it rounds a large request up to 2 MiB), 2 MiB per bucket that nothing else fits in
+    (0.4 bytes per param of reserved memory for the 33.6M-param benchmark model at any world
+    size, read off the allocator trace of ``shardkit-ddp``'s ``benchmarks/cuda_segments.py``).
+    One allocation rounds once (on every device but the CPU). A CPU allocation of that size is mapped page by page, so there
+    is nothing to gain, and one storage per bucket keeps what works on whole storages per
+    bucket: ``share_memory()`` moves a storage with every byte of it, so over one storage it
+    would copy buckets whose gathers are still in flight (the param-access guard waits for the
+    bucket of the param it is called on). On CUDA ``share_memory_()`` does nothing, and
+    ``torch.save`` of one param alone writes the whole storage, as for any view
+    (``state_dict()`` saved whole writes it once).
+    """
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    starts: list[int] = []
+    for dtype, device, n in sizes:
+        if device.type == "cpu":
+            starts.append(-1)
+            continue
+        key = (dtype, device)
+        starts.append(totals.get(key, 0))
+        totals[key] = starts[-1] + -(-n // _FLAT_ALIGN) * _FLAT_ALIGN
+    whole = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in totals.items()}
+    return [
+        torch.empty(n, dtype=dtype, device=device)
+        if start < 0
+        else whole[(dtype, device)][start : start + n]
+        for (dtype, device, n), start in zip(sizes, starts, strict=True)
+    ]
 
 
 def compact_block(compact_state: str | None) -> int:
