@@ -180,3 +180,34 @@ def test_flat_buffers_round_once_on_cuda() -> None:
     assert grown <= flats + (2 << 20), (grown, flats)
     for p, v in zip(params, values, strict=True):
         assert torch.equal(p, v)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_compact_codec_on_cuda_gives_the_cpu_bytes(kind: str) -> None:
+    """The compact moments' codec is exact arithmetic (block extremes, one division, integer
+    ops, a table lookup; ``map[code] * scale`` back), so a moment quantized on the GPU has the
+    codes and scale bits of the same moment quantized on the CPU, and dequantizes to the same
+    bits: blocks of random values over many magnitudes, a block cut short, a negative extreme,
+    zeros, subnormals and a non-finite block ([Note: Non-finite and tiny blocks] in
+    ``shardkit.optim._compact``)."""
+    from shardkit.optim._compact import CompactTensor, moment_formats
+
+    g = torch.Generator().manual_seed(0)
+    for fmt in moment_formats(kind):
+        n = 5 * fmt.block + 7
+        x = torch.randn(n, generator=g) * torch.logspace(-30, 3, n).float()
+        if not fmt.qmap.signed:
+            x = x.abs()
+        x[: fmt.block] = 0.0
+        x[fmt.block : fmt.block + 3] = (
+            torch.tensor([1e-40, -3e-42, 2e-39]).abs().mul(1.0 if not fmt.qmap.signed else -1.0)
+        )
+        x[2 * fmt.block + 1] = float("inf")
+        x[3 * fmt.block + 4] = -x[3 * fmt.block : 4 * fmt.block].abs().max() * 2
+        on_cpu = CompactTensor.from_tensor(x, fmt)
+        on_gpu = CompactTensor.from_tensor(x.cuda(), fmt)
+        assert torch.equal(on_gpu.codes.cpu(), on_cpu.codes), fmt
+        assert torch.equal(on_gpu.scales.cpu().view(torch.int32), on_cpu.scales.view(torch.int32))
+        back_cpu, back_gpu = on_cpu.dequantize(), on_gpu.dequantize().cpu()
+        assert torch.equal(back_gpu.view(torch.int32), back_cpu.view(torch.int32)), fmt
