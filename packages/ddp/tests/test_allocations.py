@@ -54,8 +54,10 @@ _VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _steps(bf16: bool = False, no_sync: int = 0, backwards: int = 1, clip: bool = False,
-           ddp: dict[str, Any] | None = None) -> list[LargeAllocations]:  # fmt: skip
+def _system(
+    bf16: bool, ddp: dict[str, Any] | None
+) -> tuple[ShardedOptimizer, ShardedDataParallel, torch.dtype]:
+    """The tests' model under ShardedDataParallel + AdamW (fused), a bucket per layer or more."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(dtype)
@@ -68,6 +70,12 @@ def _steps(bf16: bool = False, no_sync: int = 0, backwards: int = 1, clip: bool 
     )
     sdp = ShardedDataParallel(model, opt, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, **(ddp or {}))
     assert len(sdp._buckets) >= LAYERS, [b.numel for b in sdp._buckets]
+    return opt, sdp, dtype
+
+
+def _steps(bf16: bool = False, no_sync: int = 0, backwards: int = 1, clip: bool = False,
+           ddp: dict[str, Any] | None = None) -> list[LargeAllocations]:  # fmt: skip
+    opt, sdp, dtype = _system(bf16, ddp)
     g = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randn(8, WIDTH, generator=g).to(dtype) for _ in range(no_sync + backwards)]
     counts = []
@@ -148,19 +156,7 @@ def test_steady_steps_allocate_nothing_large_in_any_thread_world4() -> None:
 
 def _profiled_steps(variant: str) -> None:
     options = _VARIANTS[variant]
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if options.get("bf16") else torch.float32
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(dtype)
-    opt = ShardedOptimizer(
-        model.parameters(),
-        torch.optim.AdamW,
-        lr=1e-3,
-        fused=True,
-        master_dtype=torch.float32 if options.get("bf16") else None,
-    )
-    sdp = ShardedDataParallel(
-        model, opt, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, **options.get("ddp", {})
-    )
+    opt, sdp, dtype = _system(bool(options.get("bf16")), options.get("ddp"))
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(8, WIDTH, generator=g).to(dtype)
 
