@@ -39,7 +39,7 @@ import torch.distributed as dist
 from shardkit.optim._agreement import agree_call, register_call
 from shardkit.optim._clip import agree_grad_norm, check_clip_args, grad_norm_partial
 from shardkit.optim._driver import ShardOwner
-from shardkit.optim._flat import FlatBucket
+from shardkit.optim._flat import FlatBucket, aligned_views
 from shardkit.optim._gather import _ParamGather
 from shardkit.optim._lifecycle import GroupLife, GroupState
 from shardkit.optim._options import EngineOptions
@@ -537,18 +537,10 @@ def clip_groups(groups: Sequence[BucketGroup], max_norm: float, norm_type: float
 
 # ---------------------------------------------------------------------- layout helpers
 def _allocate_grad_shards(buckets: Sequence[FlatBucket]) -> None:
-    """Gives every bucket its ``grad_shard``: views of one zeroed buffer per (dtype, device),
+    """Gives every bucket its ``grad_shard``: zeroed views of one buffer per (dtype, device),
     allocated once with the layout (see [Note: Staging lifetime] in
     ``shardkit.optim._reducer``)."""
-    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    for b in buckets:
-        if b.grad_shard is None:
-            key = (b.dtype, b.device)
-            sizes[key] = sizes.get(key, 0) + -(-b.shard // ALIGN) * ALIGN
-    flats = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    offsets = dict.fromkeys(sizes, 0)
-    for b in buckets:
-        if b.grad_shard is None:
-            key = (b.dtype, b.device)
-            b.attach_grad_shard(flats[key][offsets[key] : offsets[key] + b.shard])
-            offsets[key] += -(-b.shard // ALIGN) * ALIGN
+    fresh = [b for b in buckets if b.grad_shard is None]
+    views = aligned_views([(b.dtype, b.device, b.shard) for b in fresh], ALIGN)
+    for b, view in zip(fresh, views, strict=True):
+        b.attach_grad_shard(view.zero_())

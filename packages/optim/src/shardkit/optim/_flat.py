@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "FlatBucket",
+    "aligned_views",
     "build_flat_buckets",
     "compact_block",
     "is_elementwise",
@@ -319,20 +320,28 @@ def _one_buffer_each(
     ``torch.save`` of one param alone writes the whole storage, as for any view
     (``state_dict()`` saved whole writes it once).
     """
+    merged = iter(aligned_views([s for s in sizes if s[1].type != "cpu"], _FLAT_ALIGN))
+    return [
+        torch.empty(n, dtype=dtype, device=device) if device.type == "cpu" else next(merged)
+        for dtype, device, n in sizes
+    ]
+
+
+def aligned_views(
+    sizes: Sequence[tuple[torch.dtype, torch.device, int]], align: int
+) -> list[torch.Tensor]:
+    """One view per entry of ``sizes`` (dtype, device, elements) of one uninitialised
+    allocation per (dtype, device), in order, each starting at a multiple of ``align``
+    elements (the flat buffers off the CPU, the grad shards)."""
     totals: dict[tuple[torch.dtype, torch.device], int] = {}
     starts: list[int] = []
     for dtype, device, n in sizes:
-        if device.type == "cpu":
-            starts.append(-1)
-            continue
         key = (dtype, device)
         starts.append(totals.get(key, 0))
-        totals[key] = starts[-1] + -(-n // _FLAT_ALIGN) * _FLAT_ALIGN
+        totals[key] = starts[-1] + -(-n // align) * align
     whole = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in totals.items()}
     return [
-        torch.empty(n, dtype=dtype, device=device)
-        if start < 0
-        else whole[(dtype, device)][start : start + n]
+        whole[(dtype, device)][start : start + n]
         for (dtype, device, n), start in zip(sizes, starts, strict=True)
     ]
 
