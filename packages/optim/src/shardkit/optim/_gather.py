@@ -103,6 +103,18 @@ installed (a profiler or a debugger: it is never replaced) or the collection ran
 thread, the guard leaves at the next entry point of a wrapper on its thread, forwarding calls
 meanwhile (logged once).
 
+[Note: One profile object per thread]
+The profile function of [Note: Leaving after a collection] is one object per thread
+(:func:`_leave_hook`), kept alive by the thread's own reference and re-armed in place, never
+replaced by a new object. CPython (3.11) reads the installed profile object as a borrowed
+pointer before it calls it, and allocates in between (the frame object of the event, the
+frame's locals): a collection there may run a weakref callback of ours that re-arms or clears
+the profile. Had that dropped the object's last reference, the interpreter then called freed
+memory: a rank died with SIGSEGV in an unrelated ``dist.broadcast`` a few tests later
+(the core showed ``profile_trampoline`` calling a freed object while the thread's profile was
+another one). With one object per thread, held beside the interpreter's reference,
+``sys.setprofile`` from a collection never frees the object it may be about to call.
+
 Params inside ``torch.func`` transforms (``grad_and_value(f)(dict(model.named_parameters()))``,
 ``vmap``, ``jacrev``) are functorch wrappers without storage of their own: the guard unwraps
 them to the tensor they wrap (``shardkit.optim._torch_compat.functorch_base``) and matches that.
@@ -315,10 +327,9 @@ def leave_when_safe() -> None:
     guard: _ParamGuard | None = getattr(_local, "guard", None)
     if guard is None or not guard.on_stack or guard.refs:
         return
+    hook = _leave_hook()
     profile = sys.getprofile()
-    if guard.thread != threading.get_ident() or not (
-        profile is None or type(profile) is _LeaveAtReturn
-    ):
+    if guard.thread != threading.get_ident() or not (profile is None or profile is hook):
         if not _logged_deferred:
             _logged_deferred = True
             logger.info(
@@ -329,7 +340,18 @@ def leave_when_safe() -> None:
                 "after a collection] )"
             )
         return
-    sys.setprofile(_LeaveAtReturn(guard, _interrupted()))
+    hook.target = (guard, _interrupted())  # in place: see [Note: One profile object per thread]
+    if profile is None:
+        sys.setprofile(hook)
+
+
+def _leave_hook() -> _LeaveAtReturn:
+    """This thread's profile function object, made once and kept by the thread (see [Note: One
+    profile object per thread])."""
+    hook: _LeaveAtReturn | None = getattr(_local, "leave_hook", None)
+    if hook is None:
+        hook = _local.leave_hook = _LeaveAtReturn()
+    return hook
 
 
 _OWN_MODULES = ("shardkit.optim", "weakref", "torch.overrides")
@@ -354,13 +376,20 @@ _CALLER_EVENTS = frozenset({"call", "c_call", "c_return"})
 
 
 class _LeaveAtReturn:
-    """The one-shot profile function of [Note: Leaving after a collection]."""
+    """The one-shot profile function of [Note: Leaving after a collection]: one per thread,
+    re-armed in place ([Note: One profile object per thread])."""
 
-    def __init__(self, guard: _ParamGuard, frames: frozenset[tuple[int, CodeType]]) -> None:
-        self.guard = guard
-        self.frames = frames
+    def __init__(self) -> None:
+        self.target: tuple[_ParamGuard, frozenset[tuple[int, CodeType]]] | None = None
+        """The guard to take off and the frames whose own bytecode marks the safe point (one
+        attribute, so that a re-arm from a collection inside a call is seen whole)."""
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        target = self.target
+        if target is None:
+            sys.setprofile(None)
+            return
+        guard, frames = target
         # The caller's bytecode runs again: a call from it (of a C or a Python function) or
         # the return of a C function it called. A function called by C code (a dunder of an
         # argument while torch parses them) looks called by that frame too, but torch checks
@@ -369,18 +398,23 @@ class _LeaveAtReturn:
         caller = frame.f_back if event == "call" else frame
         if event not in _CALLER_EVENTS or caller is None:
             return
-        if (id(caller), caller.f_code) not in self.frames:
+        if (id(caller), caller.f_code) not in frames:
             return
         outer: FrameType | None = frame
         while outer is not None:
             if outer.f_code.co_filename == _DISPATCH_FILE:
                 return  # inside a dispatch of torch.overrides: wait for it to return
             outer = outer.f_back
-        if self.guard.refs or not self.guard.on_stack:
-            sys.setprofile(None)  # a wrapper armed it again, or it left already
-        elif not self.guard.depth and _take_off(self.guard):
-            self.guard.on_stack = False
-            sys.setprofile(None)
+        if guard.refs or not guard.on_stack:
+            self.disarm()  # a wrapper armed it again, or it left already
+        elif not guard.depth and _take_off(guard):
+            guard.on_stack = False
+            self.disarm()
+
+    def disarm(self) -> None:
+        """Uninstalls the profile function (the thread keeps the object)."""
+        self.target = None
+        sys.setprofile(None)
 
 
 def settle() -> None:
@@ -395,8 +429,9 @@ def settle() -> None:
 def _leave(guard: _ParamGuard) -> None:
     if guard.on_stack and not guard.refs and not guard.depth and _take_off(guard):
         guard.on_stack = False
-        if type(sys.getprofile()) is _LeaveAtReturn:
-            sys.setprofile(None)  # a collection's deferred leave: done here already
+        hook = sys.getprofile()
+        if type(hook) is _LeaveAtReturn:
+            hook.disarm()  # a collection's deferred leave: done here already
 
 
 def _take_off(guard: _ParamGuard) -> bool:
