@@ -312,13 +312,13 @@ def _one_buffer_each(
     segment (it rounds a large request up to 2 MiB), 2 MiB per bucket that nothing else fits in
     (0.4 bytes per param of reserved memory for the 33.6M-param benchmark model at any world
     size, read off the allocator trace of ``shardkit-ddp``'s ``benchmarks/cuda_segments.py``).
-    One allocation rounds once (on every device but the CPU). A CPU allocation of that size is mapped page by page, so there
-    is nothing to gain, and one storage per bucket keeps what works on whole storages per
-    bucket: ``share_memory()`` moves a storage with every byte of it, so over one storage it
-    would copy buckets whose gathers are still in flight (the param-access guard waits for the
-    bucket of the param it is called on). On CUDA ``share_memory_()`` does nothing, and
-    ``torch.save`` of one param alone writes the whole storage, as for any view
-    (``state_dict()`` saved whole writes it once).
+    One allocation rounds once (on every device but the CPU). A CPU allocation of that size
+    is mapped page by page, so there is nothing to gain, and one storage per bucket keeps what
+    works on whole storages per bucket: ``share_memory()`` moves a storage with every byte of
+    it, so over one storage it would copy buckets whose gathers are still in flight (the
+    param-access guard waits for the bucket of the param it is called on). On CUDA
+    ``share_memory_()`` does nothing, and ``torch.save`` of one param alone writes the whole
+    storage, as for any view (``state_dict()`` saved whole writes it once).
     """
     merged = iter(aligned_views([s for s in sizes if s[1].type != "cpu"], _FLAT_ALIGN))
     return [

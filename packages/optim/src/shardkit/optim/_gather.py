@@ -387,7 +387,7 @@ class _LeaveAtReturn:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         target = self.target
         if target is None:
-            sys.setprofile(None)
+            self.disarm()
             return
         guard, frames = target
         # The caller's bytecode runs again: a call from it (of a C or a Python function) or
