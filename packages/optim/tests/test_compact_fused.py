@@ -39,6 +39,15 @@ _SETTINGS = settings(
 )
 _SHAPES = [(), (1,), (0,), (7,), (4096,), (4097,), (64, 70), (3, 1500), (fused.FUSED_CHUNK + 300,)]
 _IMPLS = ["single", "foreach", "fused"]
+_EAGER_BELOW = fused.EAGER_BELOW
+
+
+@pytest.fixture(autouse=True)
+def _compile_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk through the compiled kernels, short and padded ones included (by default
+    a short last chunk steps eagerly: [Note: Short tails step eagerly]); the tests that check
+    the default set it back."""
+    monkeypatch.setattr(fused, "EAGER_BELOW", 0)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -360,3 +369,43 @@ def test_failure_after_a_chunk_continues_eagerly(
         eager, compiled = _step_both(run, _grads(shapes, g, dtype, 0.0), lr=1e-3, impl="fused")
     _assert_same(eager, compiled)
     assert calls["n"] == 2 and "recompilation refused" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["plain", "remainder"])
+def test_short_tails_step_eagerly(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """By default a last chunk shorter than ``EAGER_BELOW``, or a param shorter than that,
+    never reaches the compiled kernels; the eager step continues from the last full chunk,
+    batched across params, with the same bytes as the eager step alone."""
+    monkeypatch.setattr(fused, "EAGER_BELOW", _EAGER_BELOW)
+    real = fused._compiled
+    chunks = {"n": 0}
+
+    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+        dequantize, quantize = real(variant)
+
+        def counted(*args: Any) -> None:
+            chunks["n"] += 1
+            dequantize(*args)
+
+        return counted, quantize
+
+    monkeypatch.setattr(fused, "_compiled", kernels)
+    c, e = fused.FUSED_CHUNK, _EAGER_BELOW
+    # full chunks + a short tail (eager) | short params (eager) | a tail of exactly
+    # EAGER_BELOW (compiled, padded) | exactly one chunk
+    shapes = [(c + 300,), (1000,), (e - 1,), (2 * c + e,), (c,), ()]
+    expected = 1 + 0 + 0 + 3 + 1 + 0
+    dtype = torch.float32 if how == "plain" else torch.bfloat16
+    run = _setup(shapes, ["int8", "int4", "int8", "int4", "int8", "int8"], how, dtype, False,
+                 "fused", 11)  # fmt: skip
+    g = torch.Generator().manual_seed(12)
+    for _ in range(2):
+        chunks["n"] = 0
+        eager, compiled = _step_both(
+            run, _grads(shapes, g, dtype, 0.0), lr=1e-3, weight_decay=0.01,
+            decoupled_weight_decay=True, impl="fused",
+        )  # fmt: skip
+        _assert_same(eager, compiled)
+        assert chunks["n"] == expected
+        run = compiled
+    assert fused.compiled_unavailable() is None

@@ -38,6 +38,17 @@ signed zeros and subnormals included, on the CPU. What makes that so:
   torch-function mode stack set aside (``_torch_compat.no_function_modes``): a mode would be
   traced into the graph and its state guarded, which recompiles when that state changes.
 
+[Note: Short tails step eagerly]
+A padded chunk costs the compiled kernels a whole chunk's time, however few of its elements
+are real, while the eager step's time grows with the elements it steps: on a CPU the two meet
+at about half a chunk (the optim README has the figures). So the compiled step stops before a last chunk shorter than :data:`EAGER_BELOW`
+(and leaves a param shorter than that to the eager step whole), and returns where it stopped;
+the eager step continues from there (the same hand-over as after a failed compilation), the
+tails of all the params of the call in a few batches. The bytes do not change: the eager step
+is the compiled step's reference, element for element, and the tail is stepped on exactly its
+elements either way. A ZeRO-2 shard ends most params with such a tail (a rank's piece of a
+bucket rarely ends on a chunk boundary), so this saves a padded chunk per param.
+
 Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, 1 MiB each,
 allocated once per thread and device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
 checks the bytes against the eager step for every option, edge shapes and specials, and that
@@ -61,6 +72,7 @@ from shardkit.optim._torch_compat import no_function_modes
 
 __all__ = [
     "COMPILE_OPTIONS",
+    "EAGER_BELOW",
     "FUSED_CHUNK",
     "compiled_unavailable",
     "fused_eligible",
@@ -71,6 +83,10 @@ logger = logging.getLogger("shardkit.optim")
 
 FUSED_CHUNK = 256 * 1024
 """Elements per call of the compiled kernels (a multiple of every block size)."""
+
+EAGER_BELOW = FUSED_CHUNK // 2
+"""A param's last chunk (or a whole param) shorter than this is left to the eager step: see
+[Note: Short tails step eagerly]."""
 
 COMPILE_OPTIONS: dict[str, Any] = {
     "cpp.enable_floating_point_contract_flag": "off",
@@ -204,11 +220,15 @@ def fused_param_step(
 
     ``functional`` and ``kwargs`` are the eager step's torch Adam call; ``step_copy`` a 0-d
     tensor on ``step``'s device that each chunk's call increments from ``step``. Returns how
-    many leading elements it stepped: all of them, or, where compilation is unavailable or
-    fails, the chunks stepped before (0 at first; logged once), which the eager step continues
-    from; see [Note: Compiled step, same bytes].
+    many leading elements it stepped, which the eager step continues from: all of them; all
+    but a short last chunk ([Note: Short tails step eagerly]); or, where compilation is
+    unavailable or fails, the chunks stepped before (0 at first; logged once); see [Note:
+    Compiled step, same bytes].
     """
-    if _state["unavailable"] is not None:
+    numel = param.numel()
+    tail = numel % FUSED_CHUNK
+    stop = numel - tail if tail < EAGER_BELOW else numel  # See [Note: Short tails step eagerly]
+    if _state["unavailable"] is not None or stop == 0:
         return 0
     variant = _Variant(tuple(m.fmt for m in moments))
     try:
@@ -219,8 +239,7 @@ def fused_param_step(
     device = param.device
     tables = [lookup_tables(m.fmt.map_name, device) for m in moments]
     new = [_scratch(f"new{k}", torch.float32, FUSED_CHUNK, device) for k in range(len(moments))]
-    numel = param.numel()
-    for lo in range(0, numel, FUSED_CHUNK):
+    for lo in range(0, stop, FUSED_CHUNK):
         hi = min(lo + FUSED_CHUNK, numel)
         n = hi - lo
         chunk = _chunk(moments, device, lo, hi)
@@ -248,7 +267,7 @@ def fused_param_step(
             return hi
         if n < FUSED_CHUNK:
             _copy_back(chunk, moments, lo, hi)
-    return numel
+    return stop
 
 
 def _chunk(moments: Sequence[CompactTensor], device: torch.device, lo: int, hi: int) -> _Chunk:
