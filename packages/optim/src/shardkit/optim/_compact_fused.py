@@ -41,18 +41,19 @@ signed zeros and subnormals included, on the CPU. What makes that so:
 [Note: Short tails step eagerly]
 A padded chunk costs the compiled kernels a whole chunk's time, however few of its elements
 are real, while the eager step's time grows with the elements it steps: on a CPU the two meet
-at about half a chunk (the optim README has the figures). So the compiled step stops before a last chunk shorter than :data:`EAGER_BELOW`
-(and leaves a param shorter than that to the eager step whole), and returns where it stopped;
-the eager step continues from there (the same hand-over as after a failed compilation), the
-tails of all the params of the call in a few batches. The bytes do not change: the eager step
+at about half a chunk (the optim README has the figures). So the compiled step stops before a
+last chunk shorter than :data:`EAGER_BELOW` (and leaves a param shorter than that to the eager
+step whole), and returns where it stopped; the eager step continues from there (the same
+hand-over as after a failed compilation), the tails of all the params of the call in a few
+batches. The bytes do not change: the eager step
 is the compiled step's reference, element for element, and the tail is stepped on exactly its
 elements either way. A ZeRO-2 shard ends most params with such a tail (a rank's piece of a
 bucket rarely ends on a chunk boundary), so this saves a padded chunk per param.
 
 Transient memory: fp32 scratch of :data:`FUSED_CHUNK` elements for each moment, 1 MiB each,
-allocated once per thread and device, plus padded copies for the last chunk of a param. ``tests/test_compact_fused.py``
-checks the bytes against the eager step for every option, edge shapes and specials, and that
-a second step does not compile again.
+allocated once per thread and device, plus padded copies for the last chunk of a param.
+``tests/test_compact_fused.py`` checks the bytes against the eager step for every option, edge
+shapes and specials, and that a second step does not compile again.
 """
 
 from __future__ import annotations
