@@ -42,6 +42,12 @@ wired into ``ShardedOptimizer``). Four measurements:
    (int8 / int4, fused and foreach inside), and the first-step compilation cost in fresh
    processes, with an empty inductor cache and with the cache that run left.
 
+6. **The one kernel on a GPU** (issue 51, ``test_bench_compact_kernel_cuda``, skipped without
+   CUDA): the optimizer step alone on 8 x ``Linear(2048, 2048)`` (33.6 M params) on the GPU,
+   ``torch.optim.AdamW(fused=True)`` against ``compact_adam_step(compiled=True)`` (one Triton
+   kernel per chunk: [Note: One kernel on a GPU] in ``_compact_kernel.py``) and the eager
+   compact step, int8 and int4, interleaved, CUDA-event medians, and the first call's cost.
+
 Run with ``python -m pytest -o python_files='bench_*.py' packages/optim/benchmarks/bench_compact.py
 -q -s`` (about 5 minutes on a loaded 2-core CPU, plus about 2 for the CNN and 1 for the compiled
 step); ``-k cnn`` runs the CNN's quality runs alone, ``-k compiled`` the compiled step's,
@@ -580,3 +586,67 @@ def test_bench_compact_quality_cnn(benchmark: Any) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q", "-s", "-o", "python_files=bench_*.py"])
+
+
+@pytest.mark.cuda
+def test_bench_compact_kernel_cuda(benchmark: Any) -> None:
+    """The compact step alone on a GPU against torch's fused AdamW (issue 51's GPU target: at
+    most fused AdamW's time)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    runs: dict[str, Callable[[], None]] = {}
+    first: dict[str, float] = {}
+    for name in ("fp32_fused", "int8_kernel", "int4_kernel", "int8_eager"):
+        params = [torch.randn(2048, 2048, device="cuda") * 0.02 for _ in range(8)]
+        grads = [torch.randn_like(p) * 1e-3 for p in params]
+        if name == "fp32_fused":
+            ps = [nn.Parameter(p) for p in params]
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g
+            opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+            runs[name] = opt.step
+        else:
+            kind, how = name.split("_")
+            states = [AdamState.zeros(p, kind, fused=True) for p in params]
+
+            def step(
+                params: list[torch.Tensor] = params, grads: list[torch.Tensor] = grads,
+                states: list[AdamState] = states, compiled: bool = how == "kernel",
+            ) -> None:  # fmt: skip
+                compact_adam_step(
+                    params, grads, states, lr=1e-4, weight_decay=0.01,
+                    decoupled_weight_decay=True, impl="fused", compiled=compiled,
+                )  # fmt: skip
+
+            runs[name] = step
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runs[name]()
+        torch.cuda.synchronize()
+        first[name] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {name: [] for name in runs}
+
+    def measure() -> None:
+        for r in range(_ROUNDS):
+            order = list(runs)
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for name in order:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                runs[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    info: dict[str, Any] = {f"{name}_ms": round(med[name], 3) for name in med}
+    for name in med:
+        if name != "fp32_fused":
+            info[f"{name}_vs_fp32_fused"] = round(med[name] / med["fp32_fused"], 2)
+    info["first_call_s"] = {name: round(t, 2) for name, t in first.items()}
+    info["device"] = torch.cuda.get_device_name()
+    benchmark.extra_info.update(info)
+    print(json.dumps(info, indent=1))

@@ -13,7 +13,18 @@ from shardkit.optim._master_set import MasterSet, Stepped
 from shardkit.optim._remainder import join_master
 from torch import nn
 
-__all__ = ["J", "K", "Reference", "equal", "groups", "loss", "masters_step", "model", "train"]
+__all__ = [
+    "J",
+    "K",
+    "Reference",
+    "assert_close_step",
+    "equal",
+    "groups",
+    "loss",
+    "masters_step",
+    "model",
+    "train",
+]
 
 K, J = 3, 2  # steps before and after a checkpoint
 
@@ -127,3 +138,40 @@ def masters_step(
     if masters is not None:
         return [s.opt for s in items], None
     return None, [s.remainder for s in items if s.remainder is not None]
+
+
+def _ulps(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of fp32 at ``|x|``."""
+    a = x.abs()
+    return torch.nextafter(a, torch.full_like(a, torch.inf)) - a
+
+
+def assert_close_step(
+    eager: tuple[torch.Tensor, AdamState], ours: tuple[torch.Tensor, AdamState], before: torch.Tensor,
+    lr: float,
+) -> None:  # fmt: skip
+    """One step of the one kernel (``ours``) against the eager step from the same state, within
+    the tolerance of [Note: One kernel on a GPU] (``tests/test_compact_kernel.py`` states it);
+    any device."""
+    (pe, se), (pk, sk) = eager, ours
+    assert torch.equal(se.step, sk.step)
+    nan = torch.isnan(pe)
+    assert torch.equal(nan, torch.isnan(pk))
+    fin = ~nan
+    bound = 4 * _ulps(torch.maximum(before.abs(), torch.full_like(before, lr)))
+    assert bool(((pe - pk).abs()[fin] <= bound[fin]).all())
+    for (name, a), (_, b) in zip(se.moments(), sk.moments(), strict=True):
+        assert isinstance(a, CompactTensor) and isinstance(b, CompactTensor), name
+        sa, sb = a.scales, b.scales
+        assert torch.equal(torch.isnan(sa), torch.isnan(sb)), name
+        ok = ~torch.isnan(sa)
+        # the signed extreme may be the other one where the two are within an ulp
+        assert bool(((sa.abs() - sb.abs()).abs()[ok] <= 4 * _ulps(sa)[ok]).all()), name
+        da, db = a.dequantize().view(-1), b.dequantize().view(-1)
+        block = a.fmt.block
+        scale = torch.maximum(sa.abs(), sb.abs()).repeat_interleave(block)[: da.numel()]
+        gap = (2 * a.fmt.qmap.max_error + 2.0**-20) * scale
+        real = ~torch.isnan(da)
+        assert bool(((da - db).abs()[real] <= gap[real]).all()), name
+        if da.numel() >= 4096:  # a code off by one is rare, not the rule
+            assert (a.codes != b.codes).float().mean().item() < 0.01, name

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +212,45 @@ def test_compact_codec_on_cuda_gives_the_cpu_bytes(kind: str) -> None:
         assert torch.equal(on_gpu.scales.cpu().view(torch.int32), on_cpu.scales.view(torch.int32))
         back_cpu, back_gpu = on_cpu.dequantize(), on_gpu.dequantize().cpu()
         assert torch.equal(back_gpu.view(torch.int32), back_cpu.view(torch.int32)), fmt
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("kind", "amsgrad"), [("int8", False), ("int4", True)])
+@pytest.mark.parametrize("decay", ["adam", "adamw"])
+def test_compact_kernel_on_cuda_within_tolerance(kind: str, amsgrad: bool, decay: str) -> None:
+    """The compiled compact step on CUDA is one Triton kernel per chunk ([Note: One kernel on a
+    GPU] in ``shardkit.optim._compact_kernel``): from the same state, one step each, within the
+    tolerance of ``tests/test_compact_kernel.py`` of the eager CUDA step, over three steps with
+    a padded last chunk, maximize, and a new learning rate that does not recompile."""
+    from _compact_testkit import assert_close_step
+    from shardkit.optim import _compact_fused, _compact_kernel
+    from shardkit.optim._compact import CompactTensor
+    from shardkit.optim._compact_step import AdamState, compact_adam_step
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 2 * _compact_fused.FUSED_CHUNK + 1000
+    p = torch.randn(n, device="cuda", generator=g)
+    ours = AdamState.zeros(p, kind, amsgrad=amsgrad, fused=True)
+    ref = AdamState.zeros(p, kind, amsgrad=amsgrad, fused=True)
+    kw: dict[str, Any] = dict(
+        betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, amsgrad=amsgrad,
+        decoupled_weight_decay=decay == "adamw", impl="fused",
+    )  # fmt: skip
+    for step, lr in enumerate((1e-3, 1e-3, 3e-4)):
+        grad = torch.randn(n, device="cuda", generator=g) * 1e-2
+        for (_, a), (_, b) in zip(ours.moments(), ref.moments(), strict=True):
+            assert isinstance(a, CompactTensor) and isinstance(b, CompactTensor)
+            b.codes.copy_(a.codes)
+            b.scales.copy_(a.scales)
+        ref.step.copy_(ours.step)
+        pe, pk = p.clone(), p.clone()
+        compact_adam_step([pe], [grad], [ref], lr=lr, maximize=step == 1, compiled=False, **kw)
+        misses = _compact_kernel._compiled.cache_info().misses
+        stance = "fail_on_recompile" if step == 2 else "default"
+        with torch.compiler.set_stance(stance):
+            compact_adam_step([pk], [grad], [ours], lr=lr, maximize=step == 1, compiled=True, **kw)
+        assert _compact_fused.compiled_unavailable() is None
+        if step == 2:
+            assert _compact_kernel._compiled.cache_info().misses == misses
+        assert_close_step((pe, ref), (pk, ours), p, lr)
+        p = pk

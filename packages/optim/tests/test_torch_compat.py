@@ -175,3 +175,28 @@ def test_no_function_modes_sets_the_stack_aside() -> None:
         assert list(_get_current_function_mode_stack()) == before == [a, b]
         torch.ones(2).add(1)
     assert b.calls > 0
+
+
+def test_inductor_options_keeps_the_known_ones(caplog: pytest.LogCaptureFixture) -> None:
+    """``inductor_options`` keeps the options this torch's inductor has (nested ones by dotted
+    name, as ``torch.compile(options=)`` takes them) and leaves out, logged once, the others;
+    the kept ones compile."""
+    import shardkit.optim._torch_compat as compat
+
+    wanted = {
+        "cpp.enable_floating_point_contract_flag": "off",
+        "eager_numerics.division_rounding": True,
+        "no_such_group.no_such_option": 1,
+        "no_such_option_at_all": 2,
+    }
+    with caplog.at_level(logging.INFO, logger="shardkit.optim"):
+        kept = compat.inductor_options(wanted)
+        assert compat.inductor_options(wanted) == kept
+    assert kept == {
+        "cpp.enable_floating_point_contract_flag": "off",
+        "eager_numerics.division_rounding": True,  # in torch 2.13; the kernel relies on it
+    }
+    logged = [r.getMessage() for r in caplog.records if "has no option" in r.getMessage()]
+    assert len(logged) == 2 and "no_such_option_at_all" in logged[1]
+    fn = torch.compile(lambda x: x / 3.0, fullgraph=True, options=kept)
+    assert torch.equal(fn(torch.ones(4)), torch.ones(4) / 3.0)

@@ -2,4 +2,4 @@
 
 __all__ = ["__version__"]
 
-__version__ = "0.11.5"
+__version__ = "0.12.0"

@@ -168,7 +168,7 @@ def _give_up(reason: str) -> None:
         _state["unavailable"] = reason
         logger.warning(
             "compact_state: the compiled step is unavailable (%s); the eager step runs instead "
-            "for the rest of the process (same bytes, slower; logged once)",
+            "for the rest of the process (the reference step: slower; logged once)",
             reason,
         )
 

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
 from shardkit.optim._compact_fused import fused_eligible, fused_param_step
+from shardkit.optim._compact_kernel import kernel_eligible, kernel_param_step
 from shardkit.optim._profiling import profiler_range
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
@@ -262,11 +263,13 @@ def compact_adam_step(
         impl: which of torch's implementations steps each batch: ``"single"``
             (``foreach=False``), ``"foreach"`` or ``"fused"``.
         scratch: buffers to reuse across calls (a new one per call when ``None``).
-        compiled: dequantize and requantize the params whose moments are all compact (on
-            the CPU) with ``torch.compile``-d kernels, around the same torch Adam call: the
-            same bytes as ``False`` (see [Note: Compiled step, same bytes] in
-            ``_compact_fused.py``). Compiled on first use, once per process and variant; where
-            compilation fails, the eager step runs (logged once).
+        compiled: step the params whose moments are all compact with ``torch.compile``-d
+            kernels. On the CPU they dequantize and requantize around the same torch Adam
+            call: the same bytes as ``False`` (see [Note: Compiled step, same bytes] in
+            ``_compact_fused.py``); on a GPU one kernel per chunk does the whole step, within
+            a few ulps of ``False`` (see [Note: One kernel on a GPU] in
+            ``_compact_kernel.py``). Compiled on first use, once per process and variant;
+            where compilation fails, the eager step runs (logged once).
     """
     n = len(params)
     scratch = StepScratch() if scratch is None else scratch
@@ -292,7 +295,7 @@ def compact_adam_step(
     starts: dict[int, int] = {}
     if compiled:
         stepped_eager, starts = _step_compiled(
-            stepped, params, grads, states, scratch, functional, kwargs
+            stepped, params, grads, states, scratch, functional, kwargs, decoupled_weight_decay
         )
     numels = [p.numel() for p in params]
     for batch in _items(numels, stepped_eager, scratch.chunk, starts):
@@ -309,6 +312,7 @@ def _step_compiled(
     scratch: StepScratch,
     functional: Callable[..., None],
     kwargs: dict[str, Any],
+    decoupled: bool,
 ) -> tuple[list[int], dict[int, int]]:
     """Steps what the compiled kernels can step; returns the params left to the eager step
     and, for those the compiled step began, the element the eager step continues from."""
@@ -319,19 +323,20 @@ def _step_compiled(
         p, g, st = params[i], grads[i], states[i]
         assert g is not None  # only params with a gradient are stepped
         moments = [mom for _, mom in st.moments()[: 3 if amsgrad else 2]]
-        if not fused_eligible(p, g, moments):
+        one_kernel = kernel_eligible(p, g, moments)
+        if not one_kernel and not fused_eligible(p, g, moments):
             left.append(i)
             continue
+        flat_p, flat_g = _flat(p, f"param {i}"), _flat(g, f"grad {i}")
+        compact = [mom for mom in moments if isinstance(mom, CompactTensor)]
         with profiler_range("shardkit.compact.compiled"):
-            done = fused_param_step(
-                _flat(p, f"param {i}"),
-                _flat(g, f"grad {i}"),
-                [mom for mom in moments if isinstance(mom, CompactTensor)],
-                st.step,
-                scratch.step_copies(st.step.device, 1)[0],
-                functional,
-                kwargs,
-            )
+            if one_kernel:
+                done = kernel_param_step(
+                    flat_p, flat_g, compact, st.step, dict(kwargs, decoupled=decoupled)
+                )
+            else:
+                copy = scratch.step_copies(st.step.device, 1)[0]
+                done = fused_param_step(flat_p, flat_g, compact, st.step, copy, functional, kwargs)
         if done < p.numel():
             left.append(i)
             starts[i] = done

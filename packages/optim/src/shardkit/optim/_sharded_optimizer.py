@@ -137,9 +137,11 @@ class ShardedOptimizer(Optimizer):
             ``shardkit.optim._master_set``, [Note: Remainder masters under ZeRO-1]; under
             ShardedDataParallel [Note: Remainder masters under ZeRO-2]). fp16 params keep full fp32 masters.
         compact_compile: with ``compact_state``, step the compact moments with compiled
-            kernels (``torch.compile``, inductor; on the CPU): the same bytes as the eager
-            step, several times faster, compiled on the first step (seconds, once per process;
-            see [Note: Compiled step, same bytes] in ``shardkit.optim._compact_fused``).
+            kernels (``torch.compile``, inductor), compiled on the first step (seconds, once
+            per process). On the CPU the same bytes as the eager step, several times faster
+            (see [Note: Compiled step, same bytes] in ``shardkit.optim._compact_fused``); on
+            CUDA one kernel per chunk, within a few ulps of the eager step (see [Note: One
+            kernel on a GPU] in ``shardkit.optim._compact_kernel``).
             ``False``: the eager step (no compilation). Where compilation fails, the eager step
             runs (logged once on the ``shardkit.optim`` logger). Ignored without
             ``compact_state``.

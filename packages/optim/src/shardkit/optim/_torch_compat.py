@@ -62,6 +62,14 @@ frame of this module.
   stack aside (``torch.overrides`` enters modes, it does not leave them).
   ``tests/test_torch_compat.py::test_no_function_modes_sets_the_stack_aside`` pins it.
 
+* ``torch._inductor.config``: which options this torch's inductor has.
+  ``torch.compile(options=...)`` raises on a name it does not know, and the compact step's
+  one kernel asks for one that torch added lately (``eager_numerics.division_rounding``:
+  Triton's correctly rounded division, [Note: One kernel on a GPU] in ``_compact_kernel.py``);
+  :func:`inductor_options` keeps the names this torch has. There is no public list of them
+  (``torch._inductor.list_options()`` is private too).
+  ``tests/test_torch_compat.py::test_inductor_options_keeps_the_known_ones`` pins it.
+
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
 inv_scale, found_inf, allow_fp16) -> {device: found_inf}``, which ``GradScaler.unscale_`` calls
 and whose result becomes the optimizer's found-inf flags. ``ShardedGradScaler`` overrides it to
@@ -88,6 +96,7 @@ __all__ = [
     "function_mode_at",
     "function_mode_count",
     "functorch_base",
+    "inductor_options",
     "no_function_modes",
     "pop_function_mode",
     "profiling",
@@ -221,6 +230,32 @@ def no_function_modes() -> Iterator[None]:
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)  # noqa: SLF001 (pinned torch internal)
+
+
+_absent_options: set[str] = set()
+
+
+def inductor_options(wanted: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``wanted`` whose names this torch's inductor config has (dotted for
+    nested ones, e.g. ``"eager_numerics.division_rounding"``), for ``torch.compile(options=)``,
+    which raises on an unknown name; each absent one is left out, logged once."""
+    import torch._inductor.config as config
+
+    out: dict[str, Any] = {}
+    for name, value in wanted.items():
+        obj: Any = config
+        for part in name.split("."):
+            obj = getattr(obj, part, _absent_options)
+            if obj is _absent_options:
+                break
+        if obj is not _absent_options:
+            out[name] = value
+        elif name not in _absent_options:
+            _absent_options.add(name)
+            logger.info(
+                "torch %s's inductor has no option %r: compiled without it", torch.__version__, name
+            )
+    return out
 
 
 def functorch_base(t: torch.Tensor) -> torch.Tensor | None:

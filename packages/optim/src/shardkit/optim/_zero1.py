@@ -103,7 +103,8 @@ class LocalShards(ShardOwner):
         master_remainder: bf16 params' masters kept as int16 remainders (see [Note: Remainder
             masters under ZeRO-1]); needs ``master_dtype=torch.float32``.
         compact_compile: Step compact moments with the compiled kernels (see [Note: Compiled
-            step, same bytes] in ``_compact_fused.py``).
+            step, same bytes] in ``_compact_fused.py``; on CUDA [Note: One kernel on a GPU] in
+            ``_compact_kernel.py``).
     """
 
     name = "ShardedOptimizer"
