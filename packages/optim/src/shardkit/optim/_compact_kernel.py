@@ -19,7 +19,7 @@ negated (``maximize``) and decayed (``weight_decay``: ``grad + wd * param``, or 
 g * g`` for the second, the running maximum with ``amsgrad``, ``param + (-step_size) * m /
 (sqrt(v) / sqrt(bias_correction2) + eps)``. The scalars are computed on the host in double
 precision as torch computes them (``step_size = lr / (1 - beta1 ** t)``, ...) and passed in one
-fp32 tensor (:func:`_hyper`), so nothing that changes per step is a constant of the graph and a
+fp32 tensor (:func:`kernel_hypers`), so nothing that changes per step is a constant of the graph and a
 step never recompiles (one compilation per :class:`_Variant`). The result is within a few ulps
 of the eager step, not its bytes: the compiler may contract a multiply and an add into an FMA
 where torch's kernels round twice, or the reverse. A moment whose fp32 value moved by an ulp
@@ -37,6 +37,14 @@ block would otherwise dequantize to a multiple of that block's scale and could b
 extreme, while zeros move neither extreme of a block that holds a real element. On a GPU a
 padded chunk costs little, so unlike [Note: Short tails step eagerly] no tail is left to the
 eager step.
+
+[Note: Step scalars without a sync]
+The bias corrections depend on each param's step count. torch's single-tensor and foreach Adam
+keep it on the CPU, and so does this package then: it is read there, and the scalars of all the
+params of a call reach the device in one copy. torch's fused Adam keeps it on the param's
+device, where reading it would make the host wait for the device once per param; the scalars
+are then computed there, in double precision like torch's host arithmetic, for all the params
+of a call at once (a few small kernels per call, none per param), and the host never waits.
 """
 
 from __future__ import annotations
@@ -61,13 +69,13 @@ from shardkit.optim._compact_fused import (
 from shardkit.optim._compact_maps import Tables, lookup_tables
 from shardkit.optim._torch_compat import inductor_options, no_function_modes
 
-__all__ = ["KERNEL_DEVICES", "kernel_eligible", "kernel_param_step"]
+__all__ = ["KERNEL_DEVICES", "kernel_eligible", "kernel_hypers", "kernel_param_step"]
 
 KERNEL_DEVICES: frozenset[str] = frozenset({"cuda"})
 """Device types whose compact moments step through the one kernel ([Note: One kernel on a
 GPU]); on the others (the CPU) the compiled halves of ``_compact_fused.py`` step them."""
 
-# the slots of the hyper-parameter tensor, see _hyper
+# the slots of a row of kernel_hypers
 _W1, _B2, _W2, _EPS, _NEG_STEP, _BC2_SQRT, _DECAY, _VALID = range(8)
 
 
@@ -156,39 +164,67 @@ def _compiled(variant: _Variant) -> Callable[..., None]:
     return compiled
 
 
-def _hyper(step: torch.Tensor, kwargs: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The step's scalars, computed in double precision as torch's single-tensor Adam does,
-    as one fp32 tensor on ``device`` (slots ``_W1`` ... ``_VALID``)."""
+def kernel_hypers(
+    steps: Sequence[torch.Tensor], kwargs: dict[str, Any], device: torch.device
+) -> torch.Tensor:
+    """The scalars of one step of several params, one fp32 row each (slots ``_W1`` ...
+    ``_VALID``) on ``device``: see [Note: Step scalars without a sync].
+
+    Args:
+        steps: the params' 0-d step counts before this step (the caller increments them).
+        kwargs: the eager step's Adam keywords plus ``decoupled`` (AdamW).
+        device: where the kernel runs.
+    """
     lr = float(kwargs["lr"])
     beta1, beta2 = float(kwargs["beta1"]), float(kwargs["beta2"])
     wd = float(kwargs["weight_decay"])
-    t = float(step.item()) + 1.0  # torch increments the step count before it is used
-    bias_correction1 = 1 - beta1**t
-    bias_correction2 = 1 - beta2**t
-    values = [
+    base = [
         1 - beta1,
         beta2,
         1 - beta2,
         float(kwargs["eps"]),
-        -(lr / bias_correction1),
-        bias_correction2**0.5,
+        0.0,  # _NEG_STEP: per param, below
+        0.0,  # _BC2_SQRT: per param, below
         1 - lr * wd if kwargs["decoupled"] else wd,
-        float(FUSED_CHUNK),  # the chunk's real elements: the last chunk's are set per call
+        float(FUSED_CHUNK),  # _VALID: a short last chunk's count is set per call
     ]
-    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+    if all(s.device.type == "cpu" for s in steps):
+        rows = []
+        for s in steps:
+            t = float(s.item()) + 1.0  # torch increments the step count before it is used
+            row = list(base)
+            row[_NEG_STEP] = -(lr / (1 - beta1**t))
+            row[_BC2_SQRT] = (1 - beta2**t) ** 0.5
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+    return _hypers_on(steps, base, lr, beta1, beta2, device)
+
+
+def _hypers_on(
+    steps: Sequence[torch.Tensor], base: list[float], lr: float, beta1: float, beta2: float,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`kernel_hypers` computed on ``device`` from step counts that may live there."""
+    t = torch.stack([s.to(device=device, dtype=torch.float32) for s in steps]).double() + 1.0
+    out = torch.empty((len(steps), len(base)), dtype=torch.float64, device=device)
+    for k, value in enumerate(base):
+        out[:, k].fill_(value)
+    out[:, _NEG_STEP] = (1 - torch.pow(beta1, t)).reciprocal_().mul_(-lr)
+    out[:, _BC2_SQRT] = (1 - torch.pow(beta2, t)).sqrt_()
+    return out.float()
 
 
 def kernel_param_step(
     param: torch.Tensor,
     grad: torch.Tensor,
     moments: Sequence[CompactTensor],
-    step: torch.Tensor,
+    hyper: torch.Tensor,
     kwargs: dict[str, Any],
 ) -> int:
     """Steps one param (flat) with the one kernel, chunk by chunk.
 
-    ``kwargs`` are the eager step's Adam keywords plus ``decoupled`` (AdamW); ``step`` the
-    param's step count before this step (the caller increments it). Returns how many leading
+    ``hyper`` is its row of :func:`kernel_hypers`; ``kwargs`` the eager step's Adam keywords
+    plus ``decoupled`` (AdamW). Returns how many leading
     elements it stepped: all of them, or, where compilation is unavailable or fails, the chunks
     stepped before (logged once), which the eager step continues from.
     """
@@ -204,7 +240,6 @@ def kernel_param_step(
         return 0
     device = param.device
     tables = [lookup_tables(m.fmt.map_name, device) for m in moments]
-    hyper = _hyper(step, kwargs, device)
     for lo in range(0, numel, FUSED_CHUNK):
         hi = min(lo + FUSED_CHUNK, numel)
         n = hi - lo

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 from shardkit.optim._compact import CHUNK, CompactFormat, CompactTensor, moment_formats
 from shardkit.optim._compact_fused import fused_eligible, fused_param_step
-from shardkit.optim._compact_kernel import kernel_eligible, kernel_param_step
+from shardkit.optim._compact_kernel import kernel_eligible, kernel_hypers, kernel_param_step
 from shardkit.optim._profiling import profiler_range
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
@@ -319,27 +319,45 @@ def _step_compiled(
     left: list[int] = []
     starts: dict[int, int] = {}
     amsgrad = bool(kwargs["amsgrad"])
+    one_kernel: dict[torch.device, list[tuple[int, list[CompactTensor]]]] = {}
     for i in stepped:
         p, g, st = params[i], grads[i], states[i]
         assert g is not None  # only params with a gradient are stepped
         moments = [mom for _, mom in st.moments()[: 3 if amsgrad else 2]]
-        one_kernel = kernel_eligible(p, g, moments)
-        if not one_kernel and not fused_eligible(p, g, moments):
+        compact = [mom for mom in moments if isinstance(mom, CompactTensor)]
+        if kernel_eligible(p, g, moments):
+            one_kernel.setdefault(p.device, []).append((i, compact))
+            continue
+        if not fused_eligible(p, g, moments):
             left.append(i)
             continue
-        flat_p, flat_g = _flat(p, f"param {i}"), _flat(g, f"grad {i}")
-        compact = [mom for mom in moments if isinstance(mom, CompactTensor)]
         with profiler_range("shardkit.compact.compiled"):
-            if one_kernel:
-                done = kernel_param_step(
-                    flat_p, flat_g, compact, st.step, dict(kwargs, decoupled=decoupled)
-                )
-            else:
-                copy = scratch.step_copies(st.step.device, 1)[0]
-                done = fused_param_step(flat_p, flat_g, compact, st.step, copy, functional, kwargs)
+            done = fused_param_step(
+                _flat(p, f"param {i}"),
+                _flat(g, f"grad {i}"),
+                compact,
+                st.step,
+                scratch.step_copies(st.step.device, 1)[0],
+                functional,
+                kwargs,
+            )
         if done < p.numel():
             left.append(i)
             starts[i] = done
+    kernel_kwargs = dict(kwargs, decoupled=decoupled)
+    for device, items in one_kernel.items():
+        with profiler_range("shardkit.compact.compiled"):
+            hypers = kernel_hypers([states[i].step for i, _ in items], kernel_kwargs, device)
+            for (i, compact), hyper in zip(items, hypers, strict=True):
+                g = grads[i]
+                assert g is not None
+                done = kernel_param_step(
+                    _flat(params[i], f"param {i}"), _flat(g, f"grad {i}"), compact, hyper,
+                    kernel_kwargs,
+                )  # fmt: skip
+                if done < params[i].numel():
+                    left.append(i)
+                    starts[i] = done
     return left, starts
 
 
