@@ -17,10 +17,11 @@ written here, in torch ops, as torch's single-tensor Adam / AdamW computes it: t
 negated (``maximize``) and decayed (``weight_decay``: ``grad + wd * param``, or AdamW's
 ``param * (1 - lr * wd)`` first), ``lerp`` for the first moment, ``v * beta2 + (1 - beta2) *
 g * g`` for the second, the running maximum with ``amsgrad``, ``param + (-step_size) * m /
-(sqrt(v) / sqrt(bias_correction2) + eps)``. The scalars are computed on the host in double
-precision as torch computes them (``step_size = lr / (1 - beta1 ** t)``, ...) and passed in one
-fp32 tensor (:func:`kernel_hypers`), so nothing that changes per step is a constant of the graph and a
-step never recompiles (one compilation per :class:`_Variant`). The result is within a few ulps
+(sqrt(v) / sqrt(bias_correction2) + eps)``. The scalars are computed in double precision as
+torch computes them (``step_size = lr / (1 - beta1 ** t)``, ...; where: [Note: Step scalars
+without a sync]) and passed in one fp32 tensor (:func:`kernel_hypers`), so nothing that changes
+per step is a constant of the graph and a step never recompiles (one compilation per
+:class:`_Variant`). The result is within a few ulps
 of the eager step, not its bytes: the compiler may contract a multiply and an add into an FMA
 where torch's kernels round twice, or the reverse. A moment whose fp32 value moved by an ulp
 lands on the neighbouring code where it sits on a threshold between two codes; its
