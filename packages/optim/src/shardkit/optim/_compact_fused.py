@@ -75,9 +75,11 @@ __all__ = [
     "COMPILE_OPTIONS",
     "EAGER_BELOW",
     "FUSED_CHUNK",
+    "compiled_steppable",
     "compiled_unavailable",
     "fused_eligible",
     "fused_param_step",
+    "zero_padded",
 ]
 
 logger = logging.getLogger("shardkit.optim")
@@ -133,13 +135,16 @@ def _bodies(variant: _Variant) -> tuple[Callable[..., None], Callable[..., None]
     return dequantize, quantize
 
 
-def _compile(fn: Callable[..., None], name: str) -> Callable[..., None]:
+def _compile(
+    fn: Callable[..., None], name: str, extra: dict[str, Any] | None = None
+) -> Callable[..., None]:
+    """``fn`` compiled (on its first call) with :data:`COMPILE_OPTIONS` and ``extra``."""
     # Each variant gets its own code object, so that torch's per-code recompilation limit
     # counts variants separately (a distinct function to dynamo, not a recompilation).
     code = fn.__code__.replace(co_name=name)
     fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     compiled: Callable[..., None] = torch.compile(
-        fresh, dynamic=False, fullgraph=True, options=dict(COMPILE_OPTIONS)
+        fresh, dynamic=False, fullgraph=True, options={**COMPILE_OPTIONS, **(extra or {})}
     )
     return compiled
 
@@ -193,9 +198,16 @@ def _code_range(fmt: CompactFormat, lo: int, hi: int) -> slice:
 
 
 def fused_eligible(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object]) -> bool:
-    """Whether the compiled step can step this param (else the eager step does): CPU, every
-    moment compact, contiguous tensors, an fp32 gradient."""
-    if param.device.type != "cpu" or not all(isinstance(m, CompactTensor) for m in moments):
+    """Whether the compiled step can step this param (else the eager step does): CPU, and
+    :func:`compiled_steppable`."""
+    return param.device.type == "cpu" and compiled_steppable(param, grad, moments)
+
+
+def compiled_steppable(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object]) -> bool:
+    """Every moment compact, contiguous tensors, an fp32 gradient: what any compiled step
+    needs, whatever the device (a compact moment's param is fp32: ``_compact_step``
+    checks it)."""
+    if not all(isinstance(m, CompactTensor) for m in moments):
         return False
     return grad.dtype == torch.float32 and grad.is_contiguous() and param.is_contiguous()
 
@@ -279,12 +291,7 @@ def _chunk(moments: Sequence[CompactTensor], device: torch.device, lo: int, hi: 
     full = n == FUSED_CHUNK
 
     def padded(role: str, src: torch.Tensor, size: int) -> torch.Tensor:
-        if full:
-            return src
-        buf = _scratch(role, src.dtype, size, device)
-        buf[src.numel() :].zero_()  # finite: see [Note: Compiled step, same bytes]
-        buf[: src.numel()].copy_(src)
-        return buf
+        return src if full else zero_padded(role, src, size)
 
     codes = [
         padded(f"codes{k}", c, FUSED_CHUNK * m.fmt.bits // 8)
@@ -295,6 +302,15 @@ def _chunk(moments: Sequence[CompactTensor], device: torch.device, lo: int, hi: 
         for k, (s, m) in enumerate(zip(scales, moments, strict=True))
     ]
     return _Chunk(codes, scales)
+
+
+def zero_padded(role: str, src: torch.Tensor, size: int) -> torch.Tensor:
+    """``src`` (flat) copied into this thread's ``role`` buffer of ``size`` elements, the rest
+    zero (finite: see [Note: Compiled step, same bytes])."""
+    buf = _scratch(role, src.dtype, size, src.device)
+    buf[src.numel() :].zero_()
+    buf[: src.numel()].copy_(src)
+    return buf
 
 
 def _copy_back(chunk: _Chunk, moments: Sequence[CompactTensor], lo: int, hi: int) -> None:

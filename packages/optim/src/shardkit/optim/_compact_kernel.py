@@ -51,7 +51,6 @@ of a call at once (a few small kernels per call, none per param), and the host n
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,13 +58,14 @@ from typing import Any
 import torch
 from shardkit.optim._compact import CompactFormat, CompactTensor, _decode, _encode_rows
 from shardkit.optim._compact_fused import (
-    COMPILE_OPTIONS,
     FUSED_CHUNK,
     _chunk,
+    _compile,
     _copy_back,
     _give_up,
-    _scratch,
     _state,
+    compiled_steppable,
+    zero_padded,
 )
 from shardkit.optim._compact_maps import Tables, lookup_tables
 from shardkit.optim._torch_compat import inductor_options, no_function_modes
@@ -94,17 +94,9 @@ class _Variant:
 
 
 def kernel_eligible(param: torch.Tensor, grad: torch.Tensor, moments: Sequence[object]) -> bool:
-    """Whether the one kernel steps this param: a device of :data:`KERNEL_DEVICES`, every
-    moment compact, contiguous tensors, fp32 param and gradient."""
-    if param.device.type not in KERNEL_DEVICES:
-        return False
-    if not all(isinstance(m, CompactTensor) for m in moments):
-        return False
-    return (
-        grad.dtype == param.dtype == torch.float32
-        and grad.is_contiguous()
-        and param.is_contiguous()
-    )
+    """Whether the one kernel steps this param: a device of :data:`KERNEL_DEVICES`, and
+    ``_compact_fused.compiled_steppable``."""
+    return param.device.type in KERNEL_DEVICES and compiled_steppable(param, grad, moments)
 
 
 def _body(variant: _Variant) -> Callable[..., None]:
@@ -152,17 +144,8 @@ def _body(variant: _Variant) -> Callable[..., None]:
 @functools.cache
 def _compiled(variant: _Variant) -> Callable[..., None]:
     """The variant's kernel (compiled on its first call), made once per process."""
-    fn = _body(variant)
-    name = f"compact_step_{abs(hash(variant)):x}"
-    # a code object per variant: torch's recompilation limit then counts variants apart
-    code = fn.__code__.replace(co_name=name)
-    fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    options = dict(COMPILE_OPTIONS)
-    options.update(inductor_options({"eager_numerics.division_rounding": True}))
-    compiled: Callable[..., None] = torch.compile(
-        fresh, dynamic=False, fullgraph=True, options=options
-    )
-    return compiled
+    extra = inductor_options({"eager_numerics.division_rounding": True})
+    return _compile(_body(variant), f"compact_step_{abs(hash(variant)):x}", extra)
 
 
 def kernel_hypers(
@@ -248,7 +231,8 @@ def kernel_param_step(
         p, g = param[lo:hi], grad[lo:hi]
         h = hyper
         if n < FUSED_CHUNK:  # zero padding: see [Note: One kernel on a GPU]
-            p, g = _padded("param", p, device), _padded("grad", g, device)
+            p = zero_padded("kernel_param", p, FUSED_CHUNK)
+            g = zero_padded("kernel_grad", g, FUSED_CHUNK)
             h = hyper.clone()
             h[_VALID] = n
         try:
@@ -261,10 +245,3 @@ def kernel_param_step(
             param[lo:hi].copy_(p[:n])
             _copy_back(chunk, moments, lo, hi)
     return numel
-
-
-def _padded(role: str, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-    buf = _scratch(f"kernel_{role}", torch.float32, FUSED_CHUNK, device)
-    buf[src.numel() :].zero_()
-    buf[: src.numel()].copy_(src)
-    return buf

@@ -66,8 +66,8 @@ frame of this module.
   ``torch.compile(options=...)`` raises on a name it does not know, and the compact step's
   one kernel asks for one that torch added lately (``eager_numerics.division_rounding``:
   Triton's correctly rounded division, [Note: One kernel on a GPU] in ``_compact_kernel.py``);
-  :func:`inductor_options` keeps the names this torch has. There is no public list of them
-  (``torch._inductor.list_options()`` is private too).
+  :func:`inductor_options` keeps the names this torch has, read off
+  ``torch._inductor.list_options()``; there is no public list of them.
   ``tests/test_torch_compat.py::test_inductor_options_keeps_the_known_ones`` pins it.
 
 One internal is overridden rather than read: ``torch.amp.GradScaler._unscale_grads_(optimizer,
@@ -236,26 +236,18 @@ _absent_options: set[str] = set()
 
 
 def inductor_options(wanted: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``wanted`` whose names this torch's inductor config has (dotted for
-    nested ones, e.g. ``"eager_numerics.division_rounding"``), for ``torch.compile(options=)``,
-    which raises on an unknown name; each absent one is left out, logged once."""
-    import torch._inductor.config as config
+    """The entries of ``wanted`` whose names this torch's inductor has (dotted for nested ones,
+    e.g. ``"eager_numerics.division_rounding"``), for ``torch.compile(options=)``, which raises
+    on an unknown name; each absent one is left out, logged once."""
+    import torch._inductor as inductor
 
-    out: dict[str, Any] = {}
-    for name, value in wanted.items():
-        obj: Any = config
-        for part in name.split("."):
-            obj = getattr(obj, part, _absent_options)
-            if obj is _absent_options:
-                break
-        if obj is not _absent_options:
-            out[name] = value
-        elif name not in _absent_options:
-            _absent_options.add(name)
-            logger.info(
-                "torch %s's inductor has no option %r: compiled without it", torch.__version__, name
-            )
-    return out
+    known = set(inductor.list_options())
+    for name in sorted(wanted.keys() - known - _absent_options):
+        _absent_options.add(name)
+        logger.info(
+            "torch %s's inductor has no option %r: compiled without it", torch.__version__, name
+        )
+    return {name: value for name, value in wanted.items() if name in known}
 
 
 def functorch_base(t: torch.Tensor) -> torch.Tensor | None:
