@@ -8,7 +8,10 @@ through the library's path of master weights, ``_master_set.py``, around the ste
 (``()``, ``(1,)``, 0-size, a few elements, a block cut short, more than one compiled chunk) and
 special values (inf, NaN, signed zeros, subnormals). A second step must not compile again, a
 failed compilation must fall back to the eager step (logged once), and ``compiled=False``
-(``ShardedOptimizer(compact_compile=False)``) must not compile at all.
+(``ShardedOptimizer(compact_compile=False)``) must not compile at all. Under ZeRO-2
+(shardkit-ddp's ShardedDataParallel at world 2 and 3), where each rank steps its pieces of the
+flat buckets with the default short-tail hand-over, the compiled and eager runs in the same
+ranks end with the same bytes.
 
 The variants compiled here are few (each costs seconds, once per process): the structural
 options (formats, amsgrad, masters / remainders) are parametrized, everything else is drawn.
@@ -24,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _compact_testkit import masters_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +37,7 @@ from shardkit.optim._compact import CompactTensor
 from shardkit.optim._compact_optim import compact_class
 from shardkit.optim._compact_step import AdamState, StepScratch, compact_adam_step
 from shardkit.optim._remainder import split_master
+from shardkit.testing import world
 
 _SETTINGS = settings(
     max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
@@ -409,3 +414,92 @@ def test_short_tails_step_eagerly(monkeypatch: pytest.MonkeyPatch, how: str) -> 
         assert chunks["n"] == expected
         run = compiled
     assert fused.compiled_unavailable() is None
+
+
+def _big_model(dtype: torch.dtype) -> torch.nn.Module:
+    """Two weights of 1 Mi and 400 Ki elements (compact, each rank's pieces of them long
+    enough for the compiled kernels: whole chunks, padded chunks and short eager tails,
+    depending on the world size) and small full-precision params."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 400),
+        torch.nn.Tanh(), torch.nn.Linear(400, 3),
+    )  # fmt: skip
+    return m.to(dtype)
+
+
+_ZERO2_CASES = [
+    ("int8", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}, False),
+    ("int4", torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "foreach": True}, True),
+]
+
+
+def _zero2_same_bytes(case: int) -> None:
+    """ShardedDataParallel (ZeRO-2: each rank steps its pieces of the flat buckets) with the
+    default compiled step and with ``compact_compile=False``, side by side in the same ranks:
+    the same losses, params and sharded optimizer state to the last bit after 3 steps, and
+    the compiled kernels stepped chunks on every rank."""
+    from shardkit.ddp import ShardedDataParallel
+
+    kind, cls, kw, masters = _ZERO2_CASES[case]
+    dtype = torch.bfloat16 if masters else torch.float32
+    real = fused._compiled
+    chunks = {"n": 0}
+
+    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+        dequantize, quantize = real(variant)
+
+        def counted(*args: Any) -> None:
+            chunks["n"] += 1
+            dequantize(*args)
+
+        return counted, quantize
+
+    fused._compiled = kernels  # type: ignore[assignment]
+    try:
+        runs = []
+        for compiled in (False, True):
+            m = _big_model(dtype)
+            opt = ShardedOptimizer(
+                m.parameters(), cls, compact_state=kind, compact_compile=compiled,
+                master_dtype=torch.float32 if masters else None, **kw,
+            )  # fmt: skip
+            runs.append((m, ShardedDataParallel(m, opt), opt))
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            x, y = torch.randn(16, 1024, generator=g), torch.randn(16, 3, generator=g)
+            losses = []
+            for _, sdp, opt in runs:
+                opt.zero_grad()
+                out = torch.nn.functional.mse_loss(sdp(x.to(dtype)).float(), y)
+                out.backward()
+                opt.step()
+                losses.append(_bits(out))
+            assert torch.equal(losses[0], losses[1])
+        for _, sdp, _ in runs:
+            sdp.wait_params()
+    finally:
+        fused._compiled = real  # type: ignore[assignment]
+    assert chunks["n"] > 0 and fused.compiled_unavailable() is None
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want, got = (opt.state_dict(all_ranks=True)["state"] for _, _, opt in runs)
+    assert want.keys() == got.keys()
+    for i, state in want.items():
+        for k, v in state.items():
+            w, h = v, got[i][k]
+            assert torch.equal(_bits(w), _bits(h)) if torch.is_tensor(w) else w == h, (i, k)
+
+
+@pytest.mark.parametrize("case", range(len(_ZERO2_CASES)))
+@world(2)
+def test_zero2_compiled_step_same_bytes_world2(case: int) -> None:
+    """See :func:`_zero2_same_bytes` (world 2)."""
+    _zero2_same_bytes(case)
+
+
+@pytest.mark.parametrize("case", range(len(_ZERO2_CASES)))
+@world(3)
+def test_zero2_compiled_step_same_bytes_world3(case: int) -> None:
+    """See :func:`_zero2_same_bytes` (world 3: other cuts of the weights between ranks)."""
+    _zero2_same_bytes(case)
