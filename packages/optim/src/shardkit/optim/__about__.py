@@ -2,4 +2,4 @@
 
 __all__ = ["__version__"]
 
-__version__ = "0.12.0"
+__version__ = "0.12.1"

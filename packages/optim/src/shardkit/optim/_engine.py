@@ -25,6 +25,7 @@ import torch
 from shardkit.optim._agreement import register_call
 from shardkit.optim._bucket_group import BucketGroup, agree, clip_groups
 from shardkit.optim._flat import FlatBucket
+from shardkit.optim._host_heap import release_host_heap
 from shardkit.optim._options import EngineOptions
 from shardkit.optim._placeholders import _ReducedGrad
 from shardkit.optim._reducer import _Reducer, drop_grads, param_map
@@ -75,7 +76,7 @@ class Zero2Engine:
                 self.groups.append(group)
         # See [Note: Reduced-grad placeholders] in shardkit.optim._placeholders
         self.reducer.lay_out(self.groups, where)
-        _release_cached_blocks(self.buckets)
+        _release_freed_blocks(self.buckets)  # See [Note: The parameters' old blocks go back]
 
     def attach(self) -> None:
         """Makes each group its optimizer's ``ShardOwner`` (see [Note: Optimizer hand-over])."""
@@ -229,19 +230,29 @@ class Zero2Engine:
 
 # [Note: The parameters' old blocks go back]
 # Laying out the flat buckets moves every param into them: the blocks that held the params
-# before are freed, and CUDA's caching allocator keeps them for later requests. Those come in
-# other sizes (autograd's gradients reuse a few; the moments the first step makes are cut out of
-# the rest), so the cache ends up holding split blocks nothing can use: reserved memory,
-# what ``nvidia-smi`` and an out-of-memory error see, above what is allocated. So once the
-# buckets are laid out, the engine hands the cache's unused blocks back to the driver
-# (``torch.cuda.empty_cache()``, once per layout, on the buckets' devices), and the stepper makes
-# a rank's moments in one allocation ([Note: Moments in one allocation] in
-# ``shardkit.optim._state``). Measured on an H200 (world 2, Gloo ranks sharing it, the
-# 33.6M-param benchmark model, fp32): peak reserved 17.5 bytes per param with neither, 16.4 with
-# the release alone, 17.3 with the moments alone, 14.9 with both (torch ZeRO: 14.7); the
-# allocated peak is 14.1 in every case.
-def _release_cached_blocks(buckets: Sequence[FlatBucket]) -> None:
+# before are freed, and the allocator keeps them for later requests. Those come in other sizes
+# (autograd's gradients reuse a few; the moments the first step makes are cut out of the rest
+# or, on the CPU, do not fit the holes and take new pages), so the allocator ends up holding
+# memory nothing uses, resident all the same: on CUDA reserved memory, what ``nvidia-smi`` and
+# an out-of-memory error see; on the CPU resident pages of glibc's heap, what the kernel's
+# out-of-memory killer sees. So once the buckets are laid out, the engine hands that memory
+# back, per device type of the buckets: the CUDA cache's unused blocks to the driver
+# (``torch.cuda.empty_cache()``, on each CUDA device), the free pages of glibc's heap to the
+# kernel (``malloc_trim(0)``, ``_host_heap.py``; nothing where the C library is not glibc,
+# logged once). Once per layout, not per step: a release per step would cost a fault per page
+# at the next use. On CUDA the stepper also makes a rank's moments in one allocation ([Note:
+# Moments in one allocation] in ``shardkit.optim._state``). Measured on an H200 (world 2, Gloo
+# ranks sharing it, the 33.6M-param benchmark model, fp32): peak reserved 17.5 bytes per param
+# with neither, 16.4 with the release alone, 17.3 with the moments alone, 14.9 with both
+# (torch ZeRO: 14.7); the allocated peak is 14.1 in every case. On the CPU (shardkit-ddp's
+# README, ``bench_memory``), the release lowers the peak resident set most where the model was
+# cast before wrapping (bf16 params: their fp32 originals raise glibc's mmap threshold, so the
+# bf16 blocks come from the heap and stay resident once freed).
+def _release_freed_blocks(buckets: Sequence[FlatBucket]) -> None:
     """See [Note: The parameters' old blocks go back]."""
-    for device in sorted({b.device for b in buckets if b.device.type == "cuda"}, key=str):
+    devices = {b.device for b in buckets}
+    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
+    if any(d.type == "cpu" for d in devices):
+        release_host_heap()
