@@ -68,13 +68,22 @@ else:
 """
 
 
+def _default_allocator() -> dict[str, str]:
+    """This process's environment without glibc's tuning variables: the child runs glibc's
+    defaults, which are what the checks are about (a fixed ``MALLOC_MMAP_THRESHOLD_`` would map
+    the params' blocks, and ``munmap`` gives them back without any release)."""
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"
+    }
+
+
 def _child(*args: str) -> dict[str, int]:
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**_default_allocator(), "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
