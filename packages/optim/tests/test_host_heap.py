@@ -9,15 +9,18 @@ originals raise glibc's mmap threshold, so the bf16 blocks come from its heap).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import platform
 import subprocess
 import sys
 
 import pytest
+from shardkit.optim import _host_heap
 
-pytestmark = pytest.mark.skipif(
+_glibc = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
     reason="malloc_trim is glibc's: elsewhere the release is a logged no-op",
 )
@@ -90,6 +93,7 @@ def _child(*args: str) -> dict[str, int]:
     return result
 
 
+@_glibc
 def test_release_host_heap_returns_the_free_pages_of_the_heap() -> None:
     """64 MiB freed below the top of glibc's heap stay resident until the release, which
     hands at least 48 MiB of them back."""
@@ -98,6 +102,7 @@ def test_release_host_heap_returns_the_free_pages_of_the_heap() -> None:
     assert got["freed"] >= 48 << 20, got
 
 
+@_glibc
 def test_wrapping_a_cast_model_keeps_no_resident_copy_of_its_params(tmp_path: object) -> None:
     """ShardedDataParallel over a model cast to bf16 (world 1): with the release, wrapping
     grows the resident set by at least half the params' bytes less than with it taken out:
@@ -105,3 +110,26 @@ def test_wrapping_a_cast_model_keeps_no_resident_copy_of_its_params(tmp_path: ob
     default = _child("default", str(tmp_path) + "/a")
     kept = _child("kept", str(tmp_path) + "/b")
     assert kept["growth"] - default["growth"] >= default["params"] // 2, (default, kept)
+
+
+def test_without_malloc_trim_the_release_is_a_no_op_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A C library without ``malloc_trim`` (musl, macOS's): nothing released, one log line."""
+
+    class NoTrim:
+        def __init__(self, name: object) -> None:
+            pass
+
+        def __getattr__(self, name: str) -> object:
+            raise AttributeError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", NoTrim)
+    _host_heap._malloc_trim.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="shardkit.optim"):
+            assert _host_heap.release_host_heap() is False
+            assert _host_heap.release_host_heap() is False
+    finally:
+        _host_heap._malloc_trim.cache_clear()
+    assert sum("no malloc_trim" in r.getMessage() for r in caplog.records) == 1

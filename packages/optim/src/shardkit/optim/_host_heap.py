@@ -22,7 +22,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or ``None`` (logged once) where the C library has none."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError) as exc:
+    except (OSError, AttributeError, TypeError) as exc:  # no such symbol, or no dlopen(NULL)
         logger.info(
             "shardkit.optim: the C library has no malloc_trim (%s: not glibc); memory the "
             "parameters' old blocks held stays with the allocator (logged once)",
