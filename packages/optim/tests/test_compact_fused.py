@@ -376,14 +376,11 @@ def test_failure_after_a_chunk_continues_eagerly(
     assert calls["n"] == 2 and "recompilation refused" in caplog.text
 
 
-@pytest.mark.parametrize("how", ["plain", "remainder"])
-def test_short_tails_step_eagerly(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """By default a last chunk shorter than ``EAGER_BELOW``, or a param shorter than that,
-    never reaches the compiled kernels; the eager step continues from the last full chunk,
-    batched across params, with the same bytes as the eager step alone."""
-    monkeypatch.setattr(fused, "EAGER_BELOW", _EAGER_BELOW)
-    real = fused._compiled
-    chunks = {"n": 0}
+def _counting(
+    real: Callable[[Any], tuple[Callable[..., None], Callable[..., None]]], chunks: dict[str, int]
+) -> Callable[[Any], tuple[Callable[..., None], Callable[..., None]]]:
+    """``real`` (``fused._compiled``) whose dequantize kernel counts its calls (one per
+    compiled chunk) in ``chunks["n"]``."""
 
     def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
         dequantize, quantize = real(variant)
@@ -394,6 +391,18 @@ def test_short_tails_step_eagerly(monkeypatch: pytest.MonkeyPatch, how: str) -> 
 
         return counted, quantize
 
+    return kernels
+
+
+@pytest.mark.parametrize("how", ["plain", "remainder"])
+def test_short_tails_step_eagerly(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """By default a last chunk shorter than ``EAGER_BELOW``, or a param shorter than that,
+    never reaches the compiled kernels; the eager step continues from the last full chunk,
+    batched across params, with the same bytes as the eager step alone."""
+    monkeypatch.setattr(fused, "EAGER_BELOW", _EAGER_BELOW)
+    real = fused._compiled
+    chunks = {"n": 0}
+    kernels = _counting(real, chunks)
     monkeypatch.setattr(fused, "_compiled", kernels)
     c, e = fused.FUSED_CHUNK, _EAGER_BELOW
     # full chunks + a short tail (eager) | short params (eager) | a tail of exactly
@@ -445,16 +454,7 @@ def _zero2_same_bytes(case: int) -> None:
     dtype = torch.bfloat16 if masters else torch.float32
     real = fused._compiled
     chunks = {"n": 0}
-
-    def kernels(variant: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-        dequantize, quantize = real(variant)
-
-        def counted(*args: Any) -> None:
-            chunks["n"] += 1
-            dequantize(*args)
-
-        return counted, quantize
-
+    kernels = _counting(real, chunks)
     fused._compiled = kernels  # type: ignore[assignment]
     try:
         runs = []
