@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from shardkit.optim import _host_heap
@@ -103,12 +104,12 @@ def test_release_host_heap_returns_the_free_pages_of_the_heap() -> None:
 
 
 @_glibc
-def test_wrapping_a_cast_model_keeps_no_resident_copy_of_its_params(tmp_path: object) -> None:
+def test_wrapping_a_cast_model_keeps_no_resident_copy_of_its_params(tmp_path: Path) -> None:
     """ShardedDataParallel over a model cast to bf16 (world 1): with the release, wrapping
     grows the resident set by at least half the params' bytes less than with it taken out:
     the params' old blocks, freed by the layout, are not resident any more."""
-    default = _child("default", str(tmp_path) + "/a")
-    kept = _child("kept", str(tmp_path) + "/b")
+    default = _child("default", str(tmp_path / "a"))
+    kept = _child("kept", str(tmp_path / "b"))
     assert kept["growth"] - default["growth"] >= default["params"] // 2, (default, kept)
 
 
